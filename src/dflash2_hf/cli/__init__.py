@@ -1,0 +1,45 @@
+"""`dflash2` command line: one sub-command per module in this folder.
+
+Each sub-command module defines ``add_arguments(parser)`` and ``run(args) -> int``; this file only wires them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# sub-command name -> module (relative to this package); help text comes from the module docstring.
+SUBCOMMANDS = {
+    "generate": "generate",
+    "prepare-data": "prepare_data",
+    "train": "train",
+    "bench": "bench",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dflash2", description="DFlash2 speculative decoding for transformers")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, module_name in SUBCOMMANDS.items():
+        try:
+            module = importlib.import_module(f"{__name__}.{module_name}")
+        except ModuleNotFoundError as err:  # a sub-command whose module is not written yet
+            if err.name != f"{__name__}.{module_name}":
+                raise
+            continue
+        doc = (module.__doc__ or "").strip().splitlines()
+        p = sub.add_parser(name, help=doc[0] if doc else None, description=module.__doc__,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        module.add_arguments(p)
+        p.set_defaults(_run=module.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args._run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,214 @@
+"""Configuration of the DFlash2 drafter.
+
+Source: DFlash block-diffusion drafter (arXiv 2602.06036) and the DFlash2 additions (local convolution, parallel
+path selector); the exact specification this package follows is ``DESIGN.md`` sections 2, 3 and 6.
+
+Two on-disk config formats load into :class:`DFlash2Config`:
+
+* ours: ``model_type: "dflash2"``, every field flat (what :meth:`save_pretrained` writes; ``AutoConfig`` loads it);
+* the published DFlash / DFlash2 format: a Qwen3 config (``model_type: "qwen3"``) with a nested ``dflash_config``
+  dict, ``num_target_layers`` and ``architectures: ["DFlashDraftModel"]`` (v1: no convolution, no selector) or
+  ``["DFlash2DraftModel"]``. :meth:`DFlash2Config.from_dict` translates it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from huggingface_hub.dataclasses import strict
+from transformers import PreTrainedConfig
+
+# Keys of the published format's nested `dflash_config` dict that map 1:1 onto our flat fields.
+PUBLISHED_DFLASH_KEYS = (
+    "block_size",
+    "mask_token_id",
+    "target_layer_ids",
+    "conv_kernel_size",
+    "conv_group_size",
+    "selector_rank",
+    "selector_top_k",
+    "output_multiplier",
+    "final_logit_softcapping",
+    "input_embedding_scale",
+)
+PUBLISHED_ARCHITECTURES = {"DFlashDraftModel": 1, "DFlash2DraftModel": 2}
+
+
+def default_target_layer_ids(num_target_layers: int, num_layers: int = 5) -> list[int]:
+    """Target layers whose hidden states feed the drafter (DESIGN.md section 2).
+
+    ``num_layers`` layers spread evenly from layer 1 to layer ``L - 3`` of an ``L``-layer target, rounded;
+    0-based decoder-layer indices (``hidden_states[i + 1]`` in ``transformers`` outputs).
+
+    Raises:
+        ValueError: the target is too shallow (fewer than 4 layers) to spread layers over.
+    """
+    if num_target_layers < 4:
+        raise ValueError(
+            f"A target with {num_target_layers} layers is too shallow for the default layer spread (1 .. L-3); "
+            "pass target_layer_ids=[...] explicitly."
+        )
+    first, last = 1, num_target_layers - 3
+    if num_layers == 1:
+        return [last]
+    ids = [int(round(first + i * (last - first) / (num_layers - 1))) for i in range(num_layers)]
+    return sorted(set(ids))
+
+
+@strict
+class DFlash2Config(PreTrainedConfig):
+    r"""
+    Configuration of a :class:`~dflash2_hf.DFlash2DraftModel`.
+
+    The drafter is a small Qwen3-style decoder (pre-norm RMSNorm, attention with per-head ``q_norm``/``k_norm``,
+    rotary positions, SwiGLU MLP) that reads the target's hidden states and fills one block per forward pass.
+
+    Args:
+        vocab_size (`int`): the TARGET's vocabulary size (the drafter uses the target's embeddings and LM head).
+        hidden_size (`int`): drafter width ``H`` (usually the target's hidden size).
+        target_hidden_size (`int`, *optional*): target width ``H_t``; defaults to ``hidden_size``.
+        num_target_layers (`int`): number of decoder layers of the target the drafter was built for.
+        target_layer_ids (`list[int]`, *optional*): 0-based target layers fused into the context features;
+            defaults to :func:`default_target_layer_ids`.
+        block_size (`int`): ``B``, block length including the anchor (``B - 1`` draft tokens per cycle).
+        mask_token_id (`int`): id (inside the target vocabulary) that fills the ``B - 1`` draft slots.
+        use_local_conv (`bool`): enable the two-tap grouped dynamic causal convolutions (DFlash2).
+        conv_kernel_size (`int`), conv_group_size (`int`): convolution taps and channels per dynamic group.
+        use_candidate_selector (`bool`): enable the parallel path selector (DFlash2); off = top-1 path.
+        selector_top_k (`int`), selector_rank (`int`): candidates per position ``k`` and codebook rank ``r``.
+        output_multiplier (`float`): logits = LM head(h) * output_multiplier.
+        final_logit_softcapping (`float`, *optional*): if set, logits = c * tanh(logits / c).
+        input_embedding_scale (`float`): multiplies the raw target embedding lookup (e.g. Gemma's sqrt(H_t)).
+        Other fields (heads, rope, norms, MLP width) follow ``transformers``' Qwen3 config.
+    """
+
+    model_type = "dflash2"
+
+    vocab_size: int = 49152
+    hidden_size: int = 576
+    intermediate_size: int = 1536
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 9
+    num_key_value_heads: int | None = 3
+    head_dim: int | None = None
+    hidden_act: str = "silu"
+    max_position_embeddings: int = 8192
+    initializer_range: float = 0.02
+    rms_norm_eps: float = 1e-5
+    rope_parameters: dict | None = None
+    attention_bias: bool = False
+    attention_dropout: float | int = 0.0
+    tie_word_embeddings: bool = False
+    use_cache: bool = True
+    pad_token_id: int | None = None
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+
+    # Target binding (validated against the target at generate time).
+    target_hidden_size: int | None = None
+    num_target_layers: int = 30
+    target_layer_ids: list[int] | None = None
+
+    # Block diffusion.
+    block_size: int = 16
+    mask_token_id: int = 0
+
+    # DFlash2 local convolution.
+    use_local_conv: bool = True
+    conv_kernel_size: int = 2
+    conv_group_size: int = 16
+
+    # DFlash2 parallel path selector.
+    use_candidate_selector: bool = True
+    selector_top_k: int = 16
+    selector_rank: int = 256
+
+    # Output / input scaling to match targets that scale embeddings or soft-cap logits.
+    output_multiplier: float = 1.0
+    final_logit_softcapping: float | None = None
+    input_embedding_scale: float = 1.0
+
+    def __post_init__(self, **kwargs):
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        if self.target_hidden_size is None:
+            self.target_hidden_size = self.hidden_size
+        if self.target_layer_ids is None:
+            self.target_layer_ids = default_target_layer_ids(self.num_target_layers)
+        if self.rope_parameters is None:
+            self.rope_parameters = {"rope_type": "default", "rope_theta": 100000.0}
+        super().__post_init__(**kwargs)
+
+    def validate_drafter(self):
+        """Checks the drafter's own shapes (called by ``@strict`` on init and save).
+
+        Raises:
+            ValueError: a shape or id that cannot work, naming the field and the fix.
+        """
+        if self.block_size < 2:
+            raise ValueError(f"block_size must be >= 2 (anchor + at least one draft slot), got {self.block_size}.")
+        if not 0 <= self.mask_token_id < self.vocab_size:
+            raise ValueError(
+                f"mask_token_id={self.mask_token_id} is outside the target vocabulary [0, {self.vocab_size}); "
+                "pick an id of the target's embedding table."
+            )
+        if not self.target_layer_ids:
+            raise ValueError("target_layer_ids is empty: the drafter needs at least one target layer.")
+        bad = [i for i in self.target_layer_ids if not 0 <= i < self.num_target_layers]
+        if bad:
+            raise ValueError(
+                f"target_layer_ids {bad} are outside the target's layers [0, {self.num_target_layers}); "
+                "use 0-based decoder-layer indices of the target."
+            )
+        if self.use_local_conv and self.hidden_size % self.conv_group_size:
+            raise ValueError(
+                f"hidden_size={self.hidden_size} is not divisible by conv_group_size={self.conv_group_size}."
+            )
+        if self.use_candidate_selector and not 1 <= self.selector_top_k <= self.vocab_size:
+            raise ValueError(f"selector_top_k={self.selector_top_k} must be in [1, vocab_size].")
+
+    @property
+    def num_draft_tokens(self) -> int:
+        """Draft tokens proposed per cycle: ``block_size - 1``."""
+        return self.block_size - 1
+
+    # ------------------------------------------------------------------ published format
+    @classmethod
+    def from_dict(cls, config_dict: dict[str, Any], **kwargs):
+        """Builds a config from our flat dict or from the published DFlash/DFlash2 (Qwen3 + ``dflash_config``) dict."""
+        if "dflash_config" in config_dict:
+            config_dict = cls.translate_published(config_dict)
+        return super().from_dict(config_dict, **kwargs)
+
+    @staticmethod
+    def translate_published(config_dict: dict[str, Any]) -> dict[str, Any]:
+        """Translates a published-format config dict (DESIGN.md section 6) into our flat field names.
+
+        Raises:
+            ValueError: the dict names an architecture we do not know, or lacks ``num_target_layers``.
+        """
+        config_dict = dict(config_dict)
+        dflash = dict(config_dict.pop("dflash_config"))
+        architectures = config_dict.get("architectures") or ["DFlash2DraftModel"]
+        version = PUBLISHED_ARCHITECTURES.get(architectures[0])
+        if version is None:
+            raise ValueError(
+                f"Unknown drafter architecture {architectures[0]!r}; expected one of {sorted(PUBLISHED_ARCHITECTURES)}."
+            )
+        if "num_target_layers" not in config_dict:
+            raise ValueError("Published DFlash config lacks `num_target_layers`; add the target's layer count.")
+        out = {k: v for k, v in config_dict.items() if k in DFlash2Config.__dataclass_fields__}
+        # Qwen3-only fields that our config does not carry are dropped above; `model_type` becomes ours.
+        out.pop("model_type", None)
+        for key in PUBLISHED_DFLASH_KEYS:
+            if dflash.get(key) is not None:
+                out[key] = dflash[key]
+        out["use_local_conv"] = version == 2 and "conv_kernel_size" in dflash
+        out["use_candidate_selector"] = version == 2 and "selector_rank" in dflash
+        out["architectures"] = ["DFlash2DraftModel"]
+        return out
+
+
+__all__ = ["DFlash2Config", "default_target_layer_ids"]

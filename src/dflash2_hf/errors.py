@@ -1,0 +1,21 @@
+"""Exceptions raised by dflash2-hf. Each message names what is wrong and how to fix it."""
+
+
+class DFlash2Error(Exception):
+    """Base class of the package's own errors."""
+
+
+class DrafterTargetMismatchError(DFlash2Error, ValueError):
+    """The drafter was built for another target (hidden size, vocabulary or layer count differ)."""
+
+
+class CheckpointError(DFlash2Error, OSError):
+    """A drafter checkpoint is truncated, corrupt, or does not match its config."""
+
+
+class UnsupportedTransformersVersionError(DFlash2Error, RuntimeError):
+    """The installed transformers is outside the range whose generate() internals we tested."""
+
+
+class UnsupportedGenerationError(DFlash2Error, ValueError):
+    """A generate() setting the DFlash2 path cannot serve (e.g. batch size > 1, beam search)."""

@@ -1,0 +1,16 @@
+"""Speculative generation with DFlash2 drafters: the decoding loop, the candidate generator, the statistics."""
+
+from .candidate_generator import DFlash2CandidateGenerator, DraftProposal
+from .decoding import dflash2_assisted_decoding
+from .routing import check_transformers_version, install, is_dflash2_drafter
+from .stats import GenerationStats
+
+__all__ = [
+    "DFlash2CandidateGenerator",
+    "DraftProposal",
+    "GenerationStats",
+    "check_transformers_version",
+    "dflash2_assisted_decoding",
+    "install",
+    "is_dflash2_drafter",
+]

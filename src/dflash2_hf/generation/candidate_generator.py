@@ -1,0 +1,157 @@
+"""The DFlash2 candidate generator: drafts one block per cycle and picks a path with the candidate selector.
+
+Implements steps 2 and 3 of a cycle (DESIGN.md sections 1 and 3) in the role of a ``transformers`` ``CandidateGenerator``: the
+target's hidden states of ``target_layer_ids`` (requested through ``model_kwargs_overrides``) become the drafter's
+context features; one drafter pass over ``[anchor, MASK x (B-1)]`` gives hidden states whose target-LM-head logits
+yield the top-k candidates per position; the selector scores predecessor -> successor pairs and walks the best path
+(greedy) or samples one and returns the proposal distribution ``q`` (sampling; zero outside the top-k).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import PreTrainedModel
+from transformers.cache_utils import DynamicCache
+
+from .stats import GenerationStats, timed
+
+
+@dataclass
+class DraftProposal:
+    """One cycle's draft.
+
+    Attributes:
+        tokens: ``(1, P)`` long, the proposed path (``P <= B - 1``).
+        candidate_ids: ``(P, k)`` long, top-k candidates per position (sampling only, else None).
+        q: ``(P, k)`` float32, proposal probability of each candidate given the sampled predecessor (sampling only).
+    """
+
+    tokens: torch.LongTensor
+    candidate_ids: torch.LongTensor | None = None
+    q: torch.Tensor | None = None
+
+    def q_of_tokens(self) -> torch.Tensor:
+        """``(P,)`` proposal probability of each proposed token."""
+        hit = self.candidate_ids == self.tokens[0, :, None]
+        return (self.q * hit).sum(-1)
+
+
+def walk_greedy(scores: torch.Tensor) -> list[int]:
+    """Best path through pair scores ``(P, a, k)`` (row 0 of position 0 is the anchor): candidate index per position."""
+    best = scores.argmax(-1).tolist()  # (P, a): best successor for every predecessor, one op for all positions
+    path = [best[0][0]]
+    for t in range(1, len(best)):
+        path.append(best[t][path[-1]])
+    return path
+
+
+def walk_sampled(scores: torch.Tensor, temperature: float) -> tuple[list[int], torch.Tensor]:
+    """Samples a path from ``softmax(S_t(prev, .) / T)``; returns candidate indices and ``q`` ``(P, k)`` float32."""
+    probs = torch.softmax(scores.float() / temperature, dim=-1)  # (P, a, k)
+    cdf = probs.cumsum(-1)
+    u = torch.rand(probs.shape[0], device=probs.device)
+    path, rows = [], []
+    prev = 0
+    for t in range(probs.shape[0]):
+        row = cdf[t, prev]
+        idx = int(torch.searchsorted(row, u[t] * row[-1]).clamp(max=row.shape[0] - 1))
+        rows.append(probs[t, prev])
+        path.append(idx)
+        prev = idx
+    return path, torch.stack(rows)
+
+
+class DFlash2CandidateGenerator:
+    """Drafts with a :class:`~dflash2_hf.DFlash2DraftModel` for the decoding loop in :mod:`.decoding`.
+
+    Args:
+        drafter: the drafter (a PEFT-wrapped drafter passes its base model; LoRA layers live inside it).
+        target: the target model whose embeddings and LM head the drafter uses.
+        do_sample: sample a path (and return ``q``) instead of walking the best one.
+        temperature: selector sampling temperature (the generation temperature).
+        use_selector: False = the top-1 path / plain top-k proposal (the selector's measured baseline).
+        stats: where drafting and selection times are added.
+    """
+
+    def __init__(
+        self,
+        drafter,
+        target: PreTrainedModel,
+        do_sample: bool,
+        temperature: float,
+        use_selector: bool,
+        stats: GenerationStats,
+    ):
+        self.drafter = drafter
+        config = drafter.config
+        self.block_size = config.block_size
+        self.top_k = min(config.selector_top_k, config.vocab_size)
+        self.embedding_weight = target.get_input_embeddings().weight
+        self.lm_head = target.get_output_embeddings()
+        self.hidden_layer_indices = [i + 1 for i in config.target_layer_ids]
+        self.model_kwargs_overrides = {"output_hidden_states": self.hidden_layer_indices}
+        self.selector = drafter.candidate_selector if use_selector else None
+        self.do_sample = do_sample
+        self.temperature = temperature
+        self.stats = stats
+        self.device = drafter.device
+        self.cache = DynamicCache()
+        self.context_positions = 0  # positions whose context features are in the drafter cache or pending
+        self.pending: list[torch.Tensor] = []
+        self.mask_ids = torch.full((1, self.block_size - 1), config.mask_token_id, dtype=torch.long, device=self.device)
+
+    def add_context(self, hidden_states: tuple[torch.Tensor, ...], num_tokens: int) -> None:
+        """Queues the target hidden states of the first ``num_tokens`` positions of the last target forward.
+
+        ``hidden_states`` is the target output's tuple (index 0 = embeddings); only ``target_layer_ids`` are read.
+        """
+        features = torch.cat([hidden_states[i][:, :num_tokens] for i in self.hidden_layer_indices], dim=-1)
+        self.pending.append(features.to(self.device))
+        self.context_positions += num_tokens
+
+    @torch.no_grad()
+    def propose(self, input_ids: torch.LongTensor, num_drafts: int) -> DraftProposal:
+        """Drafts ``num_drafts`` (``1 .. B-1``) tokens after ``input_ids`` (its last token is the anchor).
+
+        Raises:
+            RuntimeError: the queued context does not end right before the anchor (a loop bookkeeping bug).
+        """
+        anchor_pos = input_ids.shape[1] - 1
+        if self.context_positions != anchor_pos:
+            raise RuntimeError(
+                f"Drafter context covers {self.context_positions} positions but the anchor sits at {anchor_pos}."
+            )
+        with timed(self.stats, "draft_seconds", self.device):
+            context = torch.cat(self.pending, dim=1) if len(self.pending) > 1 else self.pending[0]
+            self.pending = []
+            block_ids = torch.cat([input_ids[:, -1:].to(self.device), self.mask_ids], dim=1)
+            embeds = self.drafter.embed_block(block_ids, self.embedding_weight)
+            start = anchor_pos - context.shape[1]
+            position_ids = torch.arange(start, anchor_pos + self.block_size, device=self.device)[None]
+            hidden = self.drafter(embeds, context, position_ids=position_ids, cache=self.cache).last_hidden_state
+            self.cache.crop(-self.block_size)  # keep the context keys/values, drop the block's
+            hidden = hidden[:, 1 : 1 + num_drafts]
+            logits = self.drafter.compute_logits(hidden, self.lm_head)[0]  # (P, V)
+
+        with timed(self.stats, "select_seconds", self.device):
+            if not self.do_sample and self.selector is None:
+                return DraftProposal(tokens=logits.argmax(-1)[None])
+            top_logits, candidate_ids = logits.topk(self.top_k, dim=-1)  # (P, k)
+            if self.selector is None:
+                scores = top_logits[:, None, :]  # the unary term alone: no predecessor dependence
+            else:
+                # predecessors: the anchor for position 1, the k candidates of t-1 for position t
+                anchor = input_ids[:, -1].to(self.device).expand(1, self.top_k)
+                predecessors = torch.cat([anchor, candidate_ids[:-1]], dim=0)
+                scores = self.selector.pair_scores(hidden[0], predecessors, candidate_ids, top_logits)
+            if self.do_sample:
+                if self.selector is None:
+                    scores = scores.expand(-1, self.top_k, -1)
+                path, q = walk_sampled(scores, self.temperature)
+            else:
+                path, q = walk_greedy(scores), None
+            index = torch.tensor(path, device=self.device)
+            tokens = candidate_ids.gather(1, index[:, None]).T
+            return DraftProposal(tokens=tokens, candidate_ids=candidate_ids if q is not None else None, q=q)

@@ -1,0 +1,112 @@
+"""Acceptance statistics of one speculative ``generate()`` call (DESIGN.md sections 1 and 8)."""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class GenerationStats:
+    """What one ``target.generate(..., assistant_model=draft)`` call did; read it from ``draft.generation_stats``.
+
+    Attributes:
+        block_size: the drafter's ``B`` (``B - 1`` drafts per cycle at most).
+        acceptance_lengths: per verification cycle, tokens emitted = accepted drafts + 1 bonus token (after any
+            stop inside the block); the prefill step is not a cycle.
+        accepted_drafts: per cycle, drafts the target accepted (before a stop condition truncated the block).
+        draft_lengths: per cycle, drafts proposed (``B - 1`` except near ``max_length``).
+        new_tokens: tokens generated in total (prefill's first token included).
+        draft_seconds: drafter forward passes + LM head on the draft positions (wall clock, seconds).
+        select_seconds: top-k + candidate selector + path walk.
+        verify_seconds: target forward passes of verification cycles.
+        prefill_seconds: the target's prompt forward pass.
+        total_seconds: the whole decoding loop.
+    """
+
+    block_size: int
+    acceptance_lengths: list[int] = field(default_factory=list)
+    accepted_drafts: list[int] = field(default_factory=list)
+    draft_lengths: list[int] = field(default_factory=list)
+    new_tokens: int = 0
+    draft_seconds: float = 0.0
+    select_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    prefill_seconds: float = 0.0
+    total_seconds: float = 0.0
+
+    @property
+    def num_cycles(self) -> int:
+        """Verification cycles (target forwards after the prefill)."""
+        return len(self.acceptance_lengths)
+
+    @property
+    def tau(self) -> float:
+        """Acceptance length: mean tokens per verification cycle (1.0 = plain decoding, at most ``block_size``)."""
+        return sum(self.acceptance_lengths) / len(self.acceptance_lengths) if self.acceptance_lengths else 0.0
+
+    def per_position_acceptance(self) -> list[float | None]:
+        """Rate at which draft position ``i`` (1-based, list index ``i - 1``) was accepted.
+
+        Among cycles that proposed at least ``i`` drafts; ``None`` where no cycle did.
+        """
+        rates = []
+        for i in range(1, self.block_size):
+            proposed = [a for a, d in zip(self.accepted_drafts, self.draft_lengths) if d >= i]
+            rates.append(sum(a >= i for a in proposed) / len(proposed) if proposed else None)
+        return rates
+
+    @property
+    def other_seconds(self) -> float:
+        """Loop time outside drafting, selection, verification and prefill (logits processing, stopping, caches)."""
+        return max(
+            0.0,
+            self.total_seconds - self.draft_seconds - self.select_seconds - self.verify_seconds - self.prefill_seconds,
+        )
+
+    def to_dict(self) -> dict:
+        """JSON-ready dict with the derived figures (tau, per-position acceptance, other_seconds) included."""
+        out = asdict(self)
+        out.update(
+            tau=self.tau,
+            num_cycles=self.num_cycles,
+            per_position_acceptance=self.per_position_acceptance(),
+            other_seconds=self.other_seconds,
+        )
+        return out
+
+    @staticmethod
+    def merge(stats: list["GenerationStats"]) -> "GenerationStats":
+        """Pools several calls' statistics (tau of the pool = mean over all their cycles)."""
+        if not stats:
+            raise ValueError("No statistics to merge.")
+        total = GenerationStats(block_size=stats[0].block_size)
+        for s in stats:
+            total.acceptance_lengths += s.acceptance_lengths
+            total.accepted_drafts += s.accepted_drafts
+            total.draft_lengths += s.draft_lengths
+            for name in ("new_tokens", "draft_seconds", "select_seconds", "verify_seconds", "prefill_seconds",
+                         "total_seconds"):
+                setattr(total, name, getattr(total, name) + getattr(s, name))
+        return total
+
+
+@contextmanager
+def timed(stats: GenerationStats, attribute: str, device=None):
+    """Adds the wall-clock seconds of the ``with`` body to ``stats.<attribute>``.
+
+    On CUDA the device is synchronised at both ends so the time is the work's, not the launch's.
+    """
+    sync = device is not None and getattr(device, "type", "cpu") == "cuda"
+    if sync:
+        import torch
+
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        if sync:
+            torch.cuda.synchronize(device)
+        setattr(stats, attribute, getattr(stats, attribute) + time.perf_counter() - start)

@@ -1,0 +1,462 @@
+"""The DFlash2 drafter: a block-diffusion transformer conditioned on the target's hidden states.
+
+Source: DFlash (arXiv 2602.06036) for the drafter, the DFlash2 blog/spec for the local convolution and the parallel
+path selector; ``DESIGN.md`` sections 2, 3 and 6 are the exact specification implemented here.
+
+One forward pass fills a whole block ``[anchor, MASK x (B-1)]``:
+
+* the target's hidden states of ``target_layer_ids`` (the *context features*) are fused by ``fc`` + ``hidden_norm``
+  and injected as extra keys/values into every drafter layer (queries come from the block only);
+* the block attends to all cached context and bidirectionally to itself;
+* a two-tap grouped dynamic causal convolution wraps each sublayer (``attention_conv``, ``mlp_conv``);
+* the final hidden state goes through the TARGET's LM head (the drafter owns no embedding table nor LM head), and
+  the :class:`CandidateSelector` turns the top-k candidates per position into one path.
+
+Weight names match the published DFlash / DFlash2 checkpoints (no prefix), so those folders load unchanged.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PreTrainedModel, initialization as init
+from transformers.cache_utils import Cache, DynamicCache
+from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half
+from transformers.utils import ModelOutput, logging
+
+from .configuration_dflash2 import DFlash2Config
+from .errors import CheckpointError, DrafterTargetMismatchError
+
+logger = logging.get_logger(__name__)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding of ``x`` (b, heads, T, d) with ``cos``/``sin`` (b, T, d)."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return x * cos + rotate_half(x) * sin
+
+
+class GroupedDynamicCausalConv(nn.Module):
+    """Two-tap grouped dynamic causal convolution around one sublayer (DFlash2 local convolution).
+
+    Before the sublayer: ``x'_t = sum_j (K0[j] + D0_t[j]) * x_{t-j}``; after it: ``y'_t = sum_j (K1[j] + D1_t[j]) *
+    y_{t-j}``, ``j = 0 .. kernel_size-1``, zero-padded at the block start. ``K0, K1`` are per-channel base kernels
+    (``base_kernel``, shape ``(2, kernel_size, H)``); ``D0_t, D1_t`` are per-position corrections, one value per group
+    of ``group_size`` channels, both projected from the sublayer's input. Initialised to the identity.
+    """
+
+    def __init__(self, hidden_size: int, kernel_size: int, group_size: int):
+        super().__init__()
+        self.kernel_size = kernel_size
+        self.group_size = group_size
+        self.num_groups = hidden_size // group_size
+        self.base_kernel = nn.Parameter(torch.zeros(2, kernel_size, hidden_size))
+        self.kernel_projection = nn.Linear(hidden_size, 2 * kernel_size * self.num_groups, bias=False)
+
+    def dynamic_kernels(self, x: torch.Tensor) -> torch.Tensor:
+        """Per-position corrections from the sublayer input ``x`` (n, B, H) -> (n, B, 2, kernel_size, groups)."""
+        return self.kernel_projection(x).unflatten(-1, (2, self.kernel_size, self.num_groups))
+
+    def mix(self, x: torch.Tensor, dynamic: torch.Tensor, side: int) -> torch.Tensor:
+        """Applies kernel ``side`` (0 = before, 1 = after the sublayer) to ``x`` of shape (n, B, H), causal in B."""
+        n, length, hidden = x.shape
+        grouped = x.view(n, length, self.num_groups, self.group_size)
+        base = self.base_kernel[side].view(self.kernel_size, self.num_groups, self.group_size)
+        out = None
+        for j in range(min(self.kernel_size, length)):
+            # tap j reads position t - j; the first j positions of the block read the zero padding
+            src = grouped if j == 0 else F.pad(grouped[:, : length - j], (0, 0, 0, 0, j, 0))
+            weight = base[j] + dynamic[:, :, side, j, :, None]
+            term = weight * src
+            out = term if out is None else out + term
+        return out.view(n, length, hidden)
+
+
+class DFlash2Attention(nn.Module):
+    """Attention whose keys/values are ``[context features ; block]`` and whose queries are the block only."""
+
+    def __init__(self, config: DFlash2Config, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.head_dim = config.head_dim
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.scaling = self.head_dim**-0.5
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
+        self.q_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.k_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+
+    def forward(self, hidden_states, context, cos, sin, attention_mask=None, cache: Cache | None = None):
+        b, q_len, _ = hidden_states.shape
+        q = self.q_norm(self.q_proj(hidden_states).view(b, q_len, -1, self.head_dim)).transpose(1, 2)
+        kv_in = torch.cat([context, hidden_states], dim=1)
+        kv_len = kv_in.shape[1]
+        k = self.k_norm(self.k_proj(kv_in).view(b, kv_len, -1, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(kv_in).view(b, kv_len, -1, self.head_dim).transpose(1, 2)
+        q = _rotate(q, cos[:, -q_len:], sin[:, -q_len:])
+        k = _rotate(k, cos, sin)
+        if cache is not None:
+            k, v = cache.update(k, v, self.layer_idx)
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=attention_mask, scale=self.scaling, enable_gqa=self.num_heads != self.num_kv_heads
+        )
+        return self.o_proj(out.transpose(1, 2).reshape(b, q_len, -1))
+
+
+class DFlash2DecoderLayer(nn.Module):
+    """Pre-norm decoder layer; with ``use_local_conv`` each sublayer is wrapped by a :class:`GroupedDynamicCausalConv`."""
+
+    def __init__(self, config: DFlash2Config, layer_idx: int):
+        super().__init__()
+        self.block_size = config.block_size
+        self.self_attn = DFlash2Attention(config, layer_idx)
+        self.mlp = Qwen3MLP(config)
+        self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        if config.use_local_conv:
+            self.attention_conv = GroupedDynamicCausalConv(
+                config.hidden_size, config.conv_kernel_size, config.conv_group_size
+            )
+            self.mlp_conv = GroupedDynamicCausalConv(config.hidden_size, config.conv_kernel_size, config.conv_group_size)
+        else:
+            self.attention_conv = self.mlp_conv = None
+
+    def _sublayer(self, conv: GroupedDynamicCausalConv | None, x: torch.Tensor, fn: Callable) -> torch.Tensor:
+        if conv is None:
+            return fn(x)
+        shape = x.shape
+        # the convolution mixes positions inside one block only: view the query sequence as (blocks, B, H)
+        blocks = x.reshape(-1, self.block_size, shape[-1])
+        dynamic = conv.dynamic_kernels(blocks)
+        y = fn(conv.mix(blocks, dynamic, 0).view(shape))
+        return conv.mix(y.reshape(blocks.shape), dynamic, 1).view(shape)
+
+    def forward(self, hidden_states, context, cos, sin, attention_mask=None, cache=None):
+        x = self.input_layernorm(hidden_states)
+        hidden_states = hidden_states + self._sublayer(
+            self.attention_conv, x, lambda h: self.self_attn(h, context, cos, sin, attention_mask, cache)
+        )
+        x = self.post_attention_layernorm(hidden_states)
+        return hidden_states + self._sublayer(self.mlp_conv, x, self.mlp)
+
+
+class CandidateSelector(nn.Module):
+    """The parallel path selector (DFlash2; DESIGN.md section 3).
+
+    Scores every predecessor -> successor pair among the top-k candidates of adjacent positions:
+    ``S_t(a, b) = <A[a] * g_t, Bc[b]> + U_t(b)`` with ``A``/``Bc`` rows of the predecessor/successor codebooks
+    (``(V, r)``), ``g_t = hidden_projection(h_t)`` (``r``) and ``U_t`` the drafter's top-k logits. The successor
+    codebook starts at zero, so an untrained selector reproduces the top-1 path.
+    """
+
+    def __init__(self, config: DFlash2Config):
+        super().__init__()
+        self.top_k = config.selector_top_k
+        self.hidden_projection = nn.Linear(config.hidden_size, config.selector_rank, bias=False)
+        self.predecessor_codebook = nn.Parameter(torch.empty(config.vocab_size, config.selector_rank))
+        self.successor_codebook = nn.Parameter(torch.zeros(config.vocab_size, config.selector_rank))
+
+    def pair_scores(
+        self,
+        hidden: torch.Tensor,
+        predecessor_ids: torch.LongTensor,
+        candidate_ids: torch.LongTensor,
+        candidate_logits: torch.Tensor,
+    ) -> torch.Tensor:
+        """Pair scores ``S``.
+
+        Args:
+            hidden: drafter hidden states at the draft positions, ``(..., P, H)``.
+            predecessor_ids: ``(..., P, a)`` predecessor token ids per position (``a = 1`` or ``k``).
+            candidate_ids: ``(..., P, k)`` successor candidates (the position's top-k).
+            candidate_logits: ``(..., P, k)`` their drafter logits (the unary term ``U``).
+
+        Returns:
+            ``(..., P, a, k)`` float scores (dtype of ``hidden``).
+        """
+        g = self.hidden_projection(hidden)
+        fused = self.predecessor_codebook[predecessor_ids] * g.unsqueeze(-2)
+        successors = self.successor_codebook[candidate_ids]
+        return torch.einsum("...ar,...kr->...ak", fused, successors) + candidate_logits.unsqueeze(-2).to(fused.dtype)
+
+
+@dataclass
+class DFlash2DrafterOutput(ModelOutput):
+    """Output of :meth:`DFlash2DraftModel.forward`.
+
+    Attributes:
+        last_hidden_state: ``(batch, Q, H)`` block hidden states after the final norm (feed them to the target LM head).
+        cache: the drafter KV cache (holds context keys/values, plus the block's until the caller crops them).
+    """
+
+    last_hidden_state: torch.Tensor | None = None
+    cache: Cache | None = None
+
+
+class DFlash2PreTrainedModel(PreTrainedModel):
+    config_class = DFlash2Config
+    config: DFlash2Config
+    base_model_prefix = "drafter"
+    main_input_name = "noise_embeds"
+    supports_gradient_checkpointing = False
+    _no_split_modules = ["DFlash2DecoderLayer"]
+    _supports_sdpa = True
+
+    @torch.no_grad()
+    def _init_weights(self, module):
+        super()._init_weights(module)
+        if isinstance(module, GroupedDynamicCausalConv):
+            # identity: tap 0 passes the input through, every other tap and the dynamic part are zero
+            init.zeros_(module.base_kernel)
+            init.ones_(module.base_kernel[:, 0])
+            init.zeros_(module.kernel_projection.weight)
+        elif isinstance(module, CandidateSelector):
+            init.normal_(module.predecessor_codebook, mean=0.0, std=1.0 / math.sqrt(module.predecessor_codebook.shape[1]))
+            init.zeros_(module.successor_codebook)
+
+
+class DFlash2DraftModel(DFlash2PreTrainedModel):
+    """The DFlash2 drafter (block-diffusion drafter + local convolution + parallel path selector).
+
+    Typical use::
+
+        import dflash2_hf  # registers AutoConfig/AutoModel and the generate() routing
+        draft = DFlash2DraftModel.from_pretrained("model_cards/dflash2-smollm2-135m-instruct")
+        out = target.generate(input_ids, assistant_model=draft, max_new_tokens=128)
+        draft.generation_stats.tau
+
+    Attributes:
+        generation_stats (:class:`~dflash2_hf.generation.GenerationStats` or None): acceptance statistics of the
+            last ``generate()`` call that used this drafter.
+    """
+
+    def __init__(self, config: DFlash2Config):
+        super().__init__(config)
+        n_ctx = len(config.target_layer_ids)
+        self.fc = nn.Linear(n_ctx * config.target_hidden_size, config.hidden_size, bias=False)
+        self.hidden_norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.layers = nn.ModuleList(DFlash2DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = Qwen3RotaryEmbedding(config)
+        self.candidate_selector = CandidateSelector(config) if config.use_candidate_selector else None
+        self.generation_stats = None
+        self.post_init()
+
+    # transformers asks drafters for their embeddings in a few places; ours are the target's.
+    def get_input_embeddings(self):
+        return None
+
+    def forward(
+        self,
+        noise_embeds: torch.Tensor,
+        context_hidden_states: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        cache: Cache | None = None,
+        past_key_values: Cache | None = None,
+        use_cache: bool | None = None,
+        **kwargs,
+    ) -> DFlash2DrafterOutput:
+        """One drafter pass over one or more blocks.
+
+        Also answers the ``transformers`` built-in DFlash call (``DFlashTokenCandidateGenerator``): 5.24 passes
+        ``cache=``, 5.23 ``past_key_values=``.
+
+        Args:
+            noise_embeds: ``(batch, Q, H)`` block input embeddings (anchor + mask tokens, raw target embedding lookup
+                times ``input_embedding_scale``); ``Q`` is a multiple of ``block_size``.
+            context_hidden_states: ``(batch, C, n * H_t)`` NEW target hidden states of ``target_layer_ids``,
+                concatenated on the last dim (``C`` may be 0 or None when the cache already holds every context).
+            position_ids: ``(batch, C + Q)`` absolute positions of the new context then the block; defaults to
+                ``past .. past + C + Q - 1``.
+            attention_mask: optional; a boolean ``(batch, 1, Q, K)`` mask (True = attend) over all keys ``K`` (cached
+                + new context + block), used for training many blocks per sequence, or a 2-D ``(batch, K)`` padding
+                mask of 0/1.
+            cache: a ``transformers`` ``Cache``; the new context and the block keys/values are appended (the caller
+                crops the ``Q`` block entries after the pass).
+
+        Returns:
+            :class:`DFlash2DrafterOutput` with ``last_hidden_state`` ``(batch, Q, H)`` (after the final norm).
+
+        Raises:
+            ValueError: ``Q`` is not a multiple of ``block_size`` while the convolution is on, or the feature width
+                does not match ``len(target_layer_ids) * target_hidden_size``.
+        """
+        cache = cache if cache is not None else past_key_values
+        if use_cache and cache is None:
+            cache = DynamicCache(config=self.config)
+        b, q_len, _ = noise_embeds.shape
+        if self.config.use_local_conv and q_len % self.config.block_size:
+            raise ValueError(f"The block length {q_len} is not a multiple of block_size={self.config.block_size}.")
+        if context_hidden_states is None:
+            context_hidden_states = noise_embeds.new_zeros(b, 0, self.fc.in_features)
+        if context_hidden_states.shape[-1] != self.fc.in_features:
+            raise ValueError(
+                f"context_hidden_states has width {context_hidden_states.shape[-1]}, expected "
+                f"{len(self.config.target_layer_ids)} layers x {self.config.target_hidden_size} = {self.fc.in_features}: "
+                "pass the target's hidden states of config.target_layer_ids concatenated on the last dim."
+            )
+        context = self.hidden_norm(self.fc(context_hidden_states.to(self.fc.weight.dtype)))
+        n_new = context.shape[1] + q_len
+        if position_ids is None:
+            past = cache.get_seq_length() if cache is not None else 0
+            position_ids = torch.arange(past, past + n_new, device=noise_embeds.device).expand(b, -1)
+        cos, sin = self.rotary_emb(noise_embeds, position_ids)
+        if attention_mask is not None and attention_mask.dim() == 2:
+            attention_mask = None if bool(attention_mask.all()) else attention_mask[:, None, None, :].bool()
+        hidden = noise_embeds.to(self.fc.weight.dtype)
+        for layer in self.layers:
+            hidden = layer(hidden, context, cos, sin, attention_mask, cache)
+        return DFlash2DrafterOutput(last_hidden_state=self.norm(hidden), cache=cache)
+
+    # ------------------------------------------------------------------ target-facing helpers
+    def embed_block(self, input_ids: torch.LongTensor, embedding_weight: torch.Tensor) -> torch.Tensor:
+        """Raw target-embedding lookup times ``input_embedding_scale``: ``(batch, Q)`` ids -> ``(batch, Q, H_t)``."""
+        embeds = F.embedding(input_ids, embedding_weight)
+        scale = self.config.input_embedding_scale
+        return embeds if scale == 1.0 else embeds * scale
+
+    def compute_logits(self, hidden: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
+        """Target LM head on drafter hidden states, times ``output_multiplier``, soft-capped if configured.
+
+        ``(…, H)`` -> ``(…, V)`` in the LM head's dtype.
+        """
+        logits = lm_head(hidden.to(lm_head.weight.dtype))
+        if self.config.output_multiplier != 1.0:
+            logits = logits * self.config.output_multiplier
+        cap = self.config.final_logit_softcapping
+        if cap:
+            logits = cap * torch.tanh(logits / cap)
+        return logits
+
+    def check_target(self, target: PreTrainedModel) -> None:
+        """Raises :class:`DrafterTargetMismatchError` if this drafter was built for another target.
+
+        Checks the hidden size, vocabulary size and layer count of ``target`` against the drafter config.
+        """
+        tc = target.config.get_text_config()
+        problems = []
+        if tc.hidden_size != self.config.target_hidden_size:
+            problems.append(f"hidden size {tc.hidden_size} != drafter's target_hidden_size {self.config.target_hidden_size}")
+        vocab = target.get_output_embeddings().weight.shape[0]
+        if vocab != self.config.vocab_size:
+            problems.append(f"vocabulary {vocab} != drafter's vocab_size {self.config.vocab_size}")
+        layers = tc.num_hidden_layers
+        if layers != self.config.num_target_layers or max(self.config.target_layer_ids) >= layers:
+            problems.append(
+                f"{layers} layers, drafter expects num_target_layers={self.config.num_target_layers} "
+                f"with target_layer_ids={list(self.config.target_layer_ids)}"
+            )
+        if problems:
+            raise DrafterTargetMismatchError(
+                f"This drafter was built for another target: the target {type(target).__name__} has "
+                + "; ".join(problems)
+                + ". Use a drafter trained for this target, or build one with DFlash2DraftModel.from_target(target)."
+            )
+
+    @classmethod
+    def from_target(cls, target: PreTrainedModel, **overrides) -> "DFlash2DraftModel":
+        """A freshly initialised drafter sized for ``target``.
+
+        Copies the target's hidden size, heads, head dim, MLP width, vocabulary, rope and norm settings; spreads
+        ``target_layer_ids`` as in DESIGN.md section 2; picks a ``mask_token_id`` inside the target vocabulary
+        (pad, else unk, else the last id); matches the target's embedding scale and logit soft-capping. Convolutions
+        start at the identity, the successor codebook at zero. ``overrides`` set any :class:`DFlash2Config` field
+        (e.g. ``num_hidden_layers=5``, ``block_size=16``, ``use_candidate_selector=False``).
+
+        Returns:
+            a drafter in the target's dtype, on the target's device.
+        """
+        tc = target.config.get_text_config()
+        hidden = tc.hidden_size
+        heads = tc.num_attention_heads
+        vocab = target.get_output_embeddings().weight.shape[0]
+        rope = getattr(tc, "rope_parameters", None) or {"rope_type": "default", "rope_theta": getattr(tc, "rope_theta", 10000.0)}
+        if "full_attention" in rope:  # per-layer-type rope (Gemma3): the drafter attends globally
+            rope = rope["full_attention"]
+        mask_token_id = next(
+            (i for i in (tc.pad_token_id, getattr(tc, "unk_token_id", None)) if isinstance(i, int) and 0 <= i < vocab),
+            vocab - 1,
+        )
+        embed_scale = getattr(target.get_input_embeddings(), "embed_scale", 1.0)
+        fields = dict(
+            vocab_size=vocab,
+            hidden_size=hidden,
+            target_hidden_size=hidden,
+            intermediate_size=tc.intermediate_size,
+            num_hidden_layers=5,
+            num_attention_heads=heads,
+            num_key_value_heads=getattr(tc, "num_key_value_heads", None) or heads,
+            head_dim=getattr(tc, "head_dim", None) or hidden // heads,
+            hidden_act=getattr(tc, "hidden_act", None) or getattr(tc, "hidden_activation", "silu"),
+            max_position_embeddings=tc.max_position_embeddings,
+            rms_norm_eps=getattr(tc, "rms_norm_eps", 1e-6),
+            rope_parameters=dict(rope),
+            num_target_layers=tc.num_hidden_layers,
+            mask_token_id=mask_token_id,
+            input_embedding_scale=float(embed_scale),
+            final_logit_softcapping=getattr(tc, "final_logit_softcapping", None),
+            selector_rank=min(256, max(32, hidden // 8)),
+            eos_token_id=tc.eos_token_id,
+            pad_token_id=tc.pad_token_id,
+            bos_token_id=tc.bos_token_id,
+        )
+        fields.update(overrides)
+        if "target_layer_ids" not in overrides:
+            fields["target_layer_ids"] = None  # recomputed from num_target_layers
+        drafter = cls(DFlash2Config(**fields))
+        param = next(target.parameters())
+        return drafter.to(device=param.device, dtype=param.dtype)
+
+    # ------------------------------------------------------------------ loading that never degrades silently
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
+        """``PreTrainedModel.from_pretrained`` that refuses incomplete or corrupt checkpoints.
+
+        Loads our format (``model_type: "dflash2"``) and the published DFlash/DFlash2 format (Qwen3 config with
+        ``dflash_config``), from a local folder or a Hub id (resolved by ``huggingface_hub``; offline with
+        ``HF_HUB_OFFLINE=1`` and a populated cache).
+
+        Raises:
+            CheckpointError: a weight file is truncated or corrupt, or weights are missing / of the wrong shape
+                (``transformers`` would otherwise initialise them randomly and only warn).
+        """
+        want_info = kwargs.pop("output_loading_info", False)
+        kwargs.setdefault("ignore_mismatched_sizes", False)
+        try:
+            model, info = super().from_pretrained(pretrained_model_name_or_path, *args, output_loading_info=True, **kwargs)
+        except (OSError, ValueError, RuntimeError) as err:
+            if isinstance(err, (DrafterTargetMismatchError, CheckpointError)):
+                raise
+            text = str(err)
+            if any(s in text.lower() for s in ("deserializ", "header", "incomplete", "safetensor", "unexpected end")):
+                raise CheckpointError(
+                    f"Could not read the drafter weights in {os.fspath(pretrained_model_name_or_path)!r}: {text}. "
+                    "The file is truncated or corrupt: download or save the drafter again."
+                ) from err
+            raise
+        missing = [k for k in info.get("missing_keys", []) if not k.startswith("rotary_emb")]
+        mismatched = info.get("mismatched_keys", [])
+        if missing or mismatched:
+            raise CheckpointError(
+                f"The drafter checkpoint {os.fspath(pretrained_model_name_or_path)!r} does not match its config: "
+                f"missing weights {sorted(missing)[:8]}{' ...' if len(missing) > 8 else ''}, "
+                f"wrong shapes {mismatched[:4]}. Re-save it with DFlash2DraftModel.save_pretrained, or fix config.json "
+                "(use_local_conv / use_candidate_selector / sizes) to match the weights."
+            )
+        if info.get("unexpected_keys"):
+            logger.warning(f"Ignoring unexpected weights in the drafter checkpoint: {sorted(info['unexpected_keys'])[:8]}")
+        return (model, info) if want_info else model
+
+
+__all__ = ["DFlash2DraftModel", "DFlash2PreTrainedModel", "CandidateSelector", "GroupedDynamicCausalConv"]
