@@ -182,6 +182,27 @@ class DFlash2Config(PreTrainedConfig):
             config_dict = cls.translate_published(config_dict)
         return super().from_dict(config_dict, **kwargs)
 
+    def to_published_dict(self) -> dict[str, Any]:
+        """This config in the published DFlash/DFlash2 layout (Qwen3 fields + ``dflash_config``; DESIGN.md section 6).
+
+        v1 (``DFlashDraftModel``) when both the convolution and the selector are off, else v2.
+        """
+        flat = self.to_dict()
+        dflash = {k: flat[k] for k in PUBLISHED_DFLASH_KEYS}
+        if not self.use_local_conv:
+            dflash.pop("conv_kernel_size"), dflash.pop("conv_group_size")
+        if not self.use_candidate_selector:
+            dflash.pop("selector_rank"), dflash.pop("selector_top_k")
+        v2 = self.use_local_conv or self.use_candidate_selector
+        skip = set(PUBLISHED_DFLASH_KEYS) | {"use_local_conv", "use_candidate_selector", "architectures", "model_type"}
+        out = {k: v for k, v in flat.items() if k not in skip}
+        out.update(
+            model_type="qwen3",
+            architectures=["DFlash2DraftModel" if v2 else "DFlashDraftModel"],
+            dflash_config=dflash,
+        )
+        return out
+
     @staticmethod
     def translate_published(config_dict: dict[str, Any]) -> dict[str, Any]:
         """Translates a published-format config dict (DESIGN.md section 6) into our flat field names.

@@ -17,6 +17,7 @@ Weight names match the published DFlash / DFlash2 checkpoints (no prefix), so th
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from collections.abc import Callable
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from safetensors import SafetensorError
 from torch import nn
 from transformers import PreTrainedModel, initialization as init
 from transformers.cache_utils import Cache, DynamicCache
@@ -418,6 +420,16 @@ class DFlash2DraftModel(DFlash2PreTrainedModel):
         param = next(target.parameters())
         return drafter.to(device=param.device, dtype=param.dtype)
 
+    def save_pretrained_published(self, save_directory: str | os.PathLike, **kwargs) -> None:
+        """Saves in the published DFlash/DFlash2 format (Qwen3 config + ``dflash_config``; DESIGN.md section 6).
+
+        Same safetensors weights as :meth:`save_pretrained`; only ``config.json`` differs. Loads back with
+        :meth:`from_pretrained` (not with ``AutoModel``, since the folder says ``model_type: "qwen3"``).
+        """
+        self.save_pretrained(save_directory, **kwargs)
+        with open(os.path.join(save_directory, "config.json"), "w") as f:
+            json.dump(self.config.to_published_dict(), f, indent=2, sort_keys=True)
+
     # ------------------------------------------------------------------ loading that never degrades silently
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
@@ -435,18 +447,26 @@ class DFlash2DraftModel(DFlash2PreTrainedModel):
         kwargs.setdefault("ignore_mismatched_sizes", False)
         try:
             model, info = super().from_pretrained(pretrained_model_name_or_path, *args, output_loading_info=True, **kwargs)
-        except (OSError, ValueError, RuntimeError) as err:
+        except (SafetensorError, OSError, ValueError, RuntimeError) as err:
             if isinstance(err, (DrafterTargetMismatchError, CheckpointError)):
                 raise
             text = str(err)
-            if any(s in text.lower() for s in ("deserializ", "header", "incomplete", "safetensor", "unexpected end")):
+            if isinstance(err, SafetensorError) or any(
+                s in text.lower() for s in ("deserializ", "header too", "incomplete metadata", "unexpected end")
+            ):
                 raise CheckpointError(
                     f"Could not read the drafter weights in {os.fspath(pretrained_model_name_or_path)!r}: {text}. "
                     "The file is truncated or corrupt: download or save the drafter again."
                 ) from err
+            if "ignore_mismatched_sizes" in text:
+                raise CheckpointError(
+                    f"The drafter checkpoint {os.fspath(pretrained_model_name_or_path)!r} has weights of the wrong "
+                    "shapes for its config.json (see the size report above). Fix config.json (selector_rank, "
+                    "hidden sizes, ...) to match the weights, or re-save the drafter."
+                ) from err
             raise
         missing = [k for k in info.get("missing_keys", []) if not k.startswith("rotary_emb")]
-        mismatched = info.get("mismatched_keys", [])
+        mismatched = sorted(map(str, info.get("mismatched_keys", [])))
         if missing or mismatched:
             raise CheckpointError(
                 f"The drafter checkpoint {os.fspath(pretrained_model_name_or_path)!r} does not match its config: "

@@ -1,0 +1,89 @@
+"""Bad input gets a clear error that names the problem and the fix."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dflash2_hf import (
+    DFlash2Config,
+    DrafterTargetMismatchError,
+    UnsupportedGenerationError,
+    UnsupportedTransformersVersionError,
+)
+from dflash2_hf.generation import routing
+from conftest import make_drafter, make_target
+
+IDS = torch.tensor([[7, 8, 9, 10]])
+
+
+def test_drafter_for_another_hidden_size(targets):
+    drafter = make_drafter(make_target("llama", hidden_size=32))
+    with pytest.raises(DrafterTargetMismatchError, match="hidden size 64 != drafter's target_hidden_size 32.*from_target"):
+        targets["llama"].generate(IDS, assistant_model=drafter, max_new_tokens=4)
+
+
+def test_drafter_for_another_vocabulary(targets):
+    drafter = make_drafter(make_target("llama", vocab_size=128))
+    # transformers' own check (different tokenizers) fires first for vocab mismatches; either way it is explicit
+    with pytest.raises((DrafterTargetMismatchError, ValueError), match="vocab|tokenizer"):
+        targets["llama"].generate(IDS, assistant_model=drafter, max_new_tokens=4)
+    with pytest.raises(DrafterTargetMismatchError, match="vocabulary 96 != drafter's vocab_size 128"):
+        drafter.check_target(targets["llama"])
+
+
+def test_drafter_for_deeper_target(targets):
+    drafter = make_drafter(make_target("llama", num_hidden_layers=12))
+    assert max(drafter.config.target_layer_ids) >= 6
+    with pytest.raises(DrafterTargetMismatchError, match="6 layers, drafter expects num_target_layers=12"):
+        targets["llama"].generate(IDS, assistant_model=drafter, max_new_tokens=4)
+
+
+def test_layer_ids_out_of_range_in_config():
+    with pytest.raises(Exception, match=r"target_layer_ids \[7\] are outside the target's layers \[0, 6\)"):
+        DFlash2Config(num_target_layers=6, target_layer_ids=[1, 7])
+
+
+def test_mask_token_outside_vocabulary():
+    with pytest.raises(Exception, match="mask_token_id=500 is outside the target vocabulary"):
+        DFlash2Config(vocab_size=96, mask_token_id=500)
+
+
+def test_batch_size_above_one(targets):
+    target = targets["llama"]
+    drafter = make_drafter(target)
+    batch = torch.tensor([[7, 8, 9], [10, 11, 12]])
+    with pytest.raises((UnsupportedGenerationError, ValueError), match="batch"):
+        target.generate(batch, assistant_model=drafter, max_new_tokens=4, pad_token_id=0)
+
+
+def test_batch_size_above_one_on_our_loop_directly(targets):
+    from dflash2_hf.generation.decoding import _validate
+
+    with pytest.raises(UnsupportedGenerationError, match="batch size 1.*once per prompt"):
+        _validate(targets["llama"], torch.zeros(2, 3, dtype=torch.long), targets["llama"].generation_config, False, {})
+
+
+def test_untested_transformers_version(monkeypatch, targets):
+    monkeypatch.delenv(routing.ALLOW_UNTESTED_ENV, raising=False)
+    with pytest.raises(UnsupportedTransformersVersionError, match=r"tested with transformers >=5.23.0,<5.25.0; found 5.30.0.*pip install"):
+        routing.check_transformers_version("5.30.0")
+    with pytest.raises(UnsupportedTransformersVersionError, match="found 5.22.2"):
+        routing.check_transformers_version("5.22.2")
+    routing.check_transformers_version("5.23.0")
+    routing.check_transformers_version("5.24.0")
+    monkeypatch.setenv(routing.ALLOW_UNTESTED_ENV, "1")
+    routing.check_transformers_version("5.30.0")  # the documented escape hatch
+    # and generate() itself refuses when the installed version is outside the range
+    monkeypatch.delenv(routing.ALLOW_UNTESTED_ENV)
+    monkeypatch.setattr(routing.transformers, "__version__", "5.40.0")
+    target = targets["llama"]
+    with pytest.raises(UnsupportedTransformersVersionError):
+        target.generate(IDS, assistant_model=make_drafter(target), max_new_tokens=3)
+
+
+def test_output_attentions_refused(targets):
+    target = targets["llama"]
+    with pytest.raises(UnsupportedGenerationError, match="output_attentions"):
+        target.generate(IDS, assistant_model=make_drafter(target), max_new_tokens=3, return_dict_in_generate=True,
+                        output_hidden_states=True)
