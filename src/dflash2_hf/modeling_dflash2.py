@@ -372,7 +372,7 @@ class DFlash2DraftModel(DFlash2PreTrainedModel):
 
         Copies the target's hidden size, heads, head dim, MLP width, vocabulary, rope and norm settings; spreads
         ``target_layer_ids`` as in DESIGN.md section 2; picks a ``mask_token_id`` inside the target vocabulary
-        (pad, else unk, else the last id); matches the target's embedding scale and logit soft-capping. Convolutions
+        (pad, else unk, unless it is an EOS id; else the last id); matches the target's embedding scale and logit soft-capping. Convolutions
         start at the identity, the successor codebook at zero. ``overrides`` set any :class:`DFlash2Config` field
         (e.g. ``num_hidden_layers=5``, ``block_size=16``, ``use_candidate_selector=False``).
 
@@ -386,8 +386,13 @@ class DFlash2DraftModel(DFlash2PreTrainedModel):
         rope = getattr(tc, "rope_parameters", None) or {"rope_type": "default", "rope_theta": getattr(tc, "rope_theta", 10000.0)}
         if "full_attention" in rope:  # per-layer-type rope (Gemma3): the drafter attends globally
             rope = rope["full_attention"]
+        eos = tc.eos_token_id if isinstance(tc.eos_token_id, list) else [tc.eos_token_id]
         mask_token_id = next(
-            (i for i in (tc.pad_token_id, getattr(tc, "unk_token_id", None)) if isinstance(i, int) and 0 <= i < vocab),
+            (
+                i
+                for i in (tc.pad_token_id, getattr(tc, "unk_token_id", None))
+                if isinstance(i, int) and 0 <= i < vocab and i not in eos
+            ),
             vocab - 1,
         )
         embed_scale = getattr(target.get_input_embeddings(), "embed_scale", 1.0)
