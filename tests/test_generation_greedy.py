@@ -276,3 +276,15 @@ def test_eos_from_generation_config(targets, monkeypatch):
         target.generation_config.eos_token_id = old
     assert torch.equal(ref, out)
     assert int(out[0, -1]) == eos and out.shape[1] <= 5 + 5
+
+
+def test_bf16_drafter_on_fp32_target_stays_identical(targets):
+    """Drafting in bf16 only changes proposals; verification in fp32 keeps the output identical."""
+    target = targets["llama"]
+    drafter = randomize_selector(make_drafter(target)).to(torch.bfloat16)
+    for seed in range(3):
+        ids = _prompt(9, 60 + seed)
+        ref = target.generate(ids, max_new_tokens=20, do_sample=False)
+        out = target.generate(ids, assistant_model=drafter, max_new_tokens=20, do_sample=False)
+        assert torch.equal(ref, out)
+    assert drafter._lm_head_cast[1].dtype == torch.bfloat16

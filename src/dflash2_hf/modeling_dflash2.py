@@ -313,10 +313,10 @@ class DFlash2DraftModel(DFlash2PreTrainedModel):
         if position_ids is None:
             past = cache.get_seq_length() if cache is not None else 0
             position_ids = torch.arange(past, past + n_new, device=noise_embeds.device).expand(b, -1)
-        cos, sin = self.rotary_emb(noise_embeds, position_ids)
+        hidden = noise_embeds.to(self.fc.weight.dtype)  # the target may run in another precision
+        cos, sin = self.rotary_emb(hidden, position_ids)
         if attention_mask is not None and attention_mask.dim() == 2:
             attention_mask = None if bool(attention_mask.all()) else attention_mask[:, None, None, :].bool()
-        hidden = noise_embeds.to(self.fc.weight.dtype)
         for layer in self.layers:
             hidden = layer(hidden, context, cos, sin, attention_mask, cache)
         return DFlash2DrafterOutput(last_hidden_state=self.norm(hidden), cache=cache)
@@ -328,12 +328,20 @@ class DFlash2DraftModel(DFlash2PreTrainedModel):
         scale = self.config.input_embedding_scale
         return embeds if scale == 1.0 else embeds * scale
 
-    def compute_logits(self, hidden: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, lm_head: nn.Module | torch.Tensor) -> torch.Tensor:
         """Target LM head on drafter hidden states, times ``output_multiplier``, soft-capped if configured.
 
-        ``(…, H)`` -> ``(…, V)`` in the LM head's dtype.
+        Args:
+            hidden: ``(…, H)`` drafter hidden states.
+            lm_head: the target's output embedding module, or its ``(V, H)`` weight (e.g. a lower-precision copy).
+
+        Returns:
+            ``(…, V)`` logits in the LM head's dtype.
         """
-        logits = lm_head(hidden.to(lm_head.weight.dtype))
+        if isinstance(lm_head, torch.Tensor):
+            logits = F.linear(hidden.to(lm_head.dtype), lm_head)
+        else:
+            logits = lm_head(hidden.to(lm_head.weight.dtype))
         if self.config.output_multiplier != 1.0:
             logits = logits * self.config.output_multiplier
         cap = self.config.final_logit_softcapping
