@@ -443,6 +443,17 @@ class DFlash2DraftModel(DFlash2PreTrainedModel):
         with open(os.path.join(save_directory, "config.json"), "w") as f:
             json.dump(self.config.to_published_dict(), f, indent=2, sort_keys=True)
 
+    def push_to_hub(self, repo_id: str, *, model_card=None, **kwargs):
+        """Uploads the drafter with a complete model card (see :func:`dflash2_hf.hub.push_drafter_to_hub`).
+
+        ``model_card``: a ``huggingface_hub.ModelCard``, a path to a README.md, or None to reuse the README.md of
+        the folder this drafter was loaded from. Other keyword arguments: ``commit_message``, ``private``,
+        ``token``, ``revision``, ``create_pr``.
+        """
+        from .hub import push_drafter_to_hub
+
+        return push_drafter_to_hub(self, repo_id, model_card=model_card, **kwargs)
+
     # ------------------------------------------------------------------ loading that never degrades silently
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):

@@ -1,0 +1,141 @@
+"""Hugging Face Hub integration: model cards for drafters and ``push_to_hub``.
+
+Loading from the Hub needs nothing of ours: ``DFlash2DraftModel.from_pretrained("org/name")`` resolves through
+``huggingface_hub`` (and offline, with ``HF_HUB_OFFLINE=1``, from a populated cache). Pushing uploads the drafter
+folder with a complete model card: metadata (base model, library, datasets, license, tags), the recipe, and the
+measured numbers. The card of a shipped folder (its ``README.md``) is reused as is, so numbers measured for it travel
+with it; a drafter without one gets a card built from its config that says no numbers were measured.
+
+Upload of the shipped drafter folder from the command line (``huggingface_hub`` CLI)::
+
+    hf upload YOUR_ORG/dflash2-smollm2-135m-instruct model_cards/dflash2-smollm2-135m-instruct .
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+from huggingface_hub import HfApi, ModelCard, ModelCardData
+
+CARD_TAGS = ["dflash2", "speculative-decoding", "drafter", "block-diffusion"]
+
+_TEMPLATE = """
+# {title}
+
+A **DFlash2 drafter** for [{base_model}](https://huggingface.co/{base_model}): a {layers}-layer block-diffusion
+transformer that drafts {drafts} tokens per target forward pass from the target's hidden states (layers
+{layer_ids}), with {extras}. Use it with [`dflash2-hf`](https://pypi.org/project/dflash2-hf/):
+
+```python
+import dflash2_hf
+from dflash2_hf import DFlash2DraftModel
+draft = DFlash2DraftModel.from_pretrained("{repo_id}")
+out = target.generate(input_ids, assistant_model=draft, max_new_tokens=128)
+print(draft.generation_stats.tau)
+```
+
+Outputs are identical to the target's own greedy decoding (sampling follows the target's distribution exactly).
+
+## Training recipe
+{recipe}
+
+## Measured results
+{results}
+"""
+
+
+def build_model_card(
+    drafter,
+    *,
+    base_model: str,
+    repo_id: str = "YOUR_ORG/dflash2-drafter",
+    datasets: list[str] | None = None,
+    license: str = "apache-2.0",
+    recipe: str = "Not recorded.",
+    results: str = "No numbers were measured for this drafter yet: run `dflash2 bench` and add them.",
+) -> ModelCard:
+    """A model card for ``drafter``: YAML metadata + description, usage, recipe and results.
+
+    Args:
+        base_model: Hub id of the target the drafter serves (card metadata ``base_model``).
+        repo_id: where the drafter will live (used in the usage snippet).
+        datasets: Hub ids of the training data sets.
+        recipe, results: Markdown; ``results`` must hold numbers you measured, with the command that produced them.
+    """
+    c = drafter.config
+    extras = []
+    if c.use_local_conv:
+        extras.append(f"local convolutions (kernel {c.conv_kernel_size}, groups of {c.conv_group_size})")
+    if c.use_candidate_selector:
+        extras.append(f"a parallel path selector (top-{c.selector_top_k}, rank {c.selector_rank})")
+    data = ModelCardData(
+        base_model=base_model,
+        library_name="transformers",
+        datasets=datasets or [],
+        license=license,
+        tags=CARD_TAGS,
+        pipeline_tag="text-generation",
+    )
+    text = _TEMPLATE.format(
+        title=f"DFlash2 drafter for {base_model.split('/')[-1]}",
+        base_model=base_model,
+        layers=c.num_hidden_layers,
+        drafts=c.block_size - 1,
+        layer_ids=list(c.target_layer_ids),
+        extras=" and ".join(extras) or "neither local convolution nor selector (DFlash v1)",
+        repo_id=repo_id,
+        recipe=recipe,
+        results=results,
+    )
+    return ModelCard(f"---\n{data.to_yaml()}\n---\n{text}")
+
+
+def resolve_model_card(drafter, model_card: ModelCard | str | os.PathLike | None) -> ModelCard:
+    """The card to publish: the one given, else the ``README.md`` of the folder the drafter was loaded from."""
+    if isinstance(model_card, ModelCard):
+        return model_card
+    if model_card is not None:
+        return ModelCard.load(model_card) if Path(model_card).exists() else ModelCard(str(model_card))
+    folder = str(getattr(drafter, "name_or_path", "") or "")
+    if folder and Path(folder).is_dir() and (Path(folder) / "README.md").is_file():
+        return ModelCard.load(Path(folder) / "README.md")
+    raise ValueError(
+        "No model card for this drafter: pass model_card=build_model_card(drafter, base_model=..., datasets=..., "
+        "recipe=..., results=...) with the numbers you measured, or push a folder that has a README.md."
+    )
+
+
+def push_drafter_to_hub(
+    drafter,
+    repo_id: str,
+    *,
+    model_card: ModelCard | str | os.PathLike | None = None,
+    commit_message: str = "Upload DFlash2 drafter",
+    private: bool | None = None,
+    token: str | None = None,
+    revision: str | None = None,
+    create_pr: bool = False,
+):
+    """Creates ``repo_id`` if needed and uploads weights, config and the model card in one commit.
+
+    Returns:
+        the ``huggingface_hub`` ``CommitInfo``.
+
+    Raises:
+        ValueError: no model card is available (see :func:`resolve_model_card`).
+    """
+    card = resolve_model_card(drafter, model_card)
+    api = HfApi(token=token)
+    repo_id = api.create_repo(repo_id, private=private, exist_ok=True).repo_id
+    with tempfile.TemporaryDirectory() as tmp:
+        drafter.save_pretrained(tmp)
+        card.save(os.path.join(tmp, "README.md"))
+        return api.upload_folder(
+            repo_id=repo_id,
+            folder_path=tmp,
+            commit_message=commit_message,
+            revision=revision,
+            create_pr=create_pr,
+        )

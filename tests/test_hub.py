@@ -1,0 +1,99 @@
+"""Hub round trip: model card on push, loading a Hub id offline from a populated cache."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from dflash2_hf import DFlash2DraftModel
+from dflash2_hf.hub import build_model_card
+from conftest import make_drafter, randomize_selector
+
+
+def _card(drafter):
+    return build_model_card(
+        drafter, base_model="HuggingFaceTB/SmolLM2-135M-Instruct", repo_id="org/tiny-drafter",
+        datasets=["anon8231489123/ShareGPT_Vicuna_unfiltered"], recipe="5 steps on nothing.",
+        results="| tau | 1.00 |  (measured with `dflash2 bench ...`)",
+    )
+
+
+def test_model_card_metadata(targets):
+    card = _card(make_drafter(targets["llama"]))
+    meta = yaml.safe_load(str(card).split("---")[1])
+    assert meta["base_model"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert meta["library_name"] == "transformers" and meta["license"] == "apache-2.0"
+    assert meta["datasets"] == ["anon8231489123/ShareGPT_Vicuna_unfiltered"]
+    assert "dflash2" in meta["tags"]
+    assert "5 steps on nothing." in card.text and "| tau | 1.00 |" in card.text
+
+
+def test_push_to_hub_uploads_weights_config_and_card(targets, monkeypatch, tmp_path):
+    """No network here: HfApi is replaced by a recorder that keeps a copy of the uploaded folder."""
+    uploaded = {}
+
+    class FakeApi:
+        def __init__(self, token=None):
+            pass
+
+        def create_repo(self, repo_id, private=None, exist_ok=False):
+            uploaded["repo"] = repo_id
+            return type("Url", (), {"repo_id": repo_id})()
+
+        def upload_folder(self, repo_id, folder_path, **kw):
+            shutil.copytree(folder_path, tmp_path / "pushed")
+            return "commit"
+
+    monkeypatch.setattr("dflash2_hf.hub.HfApi", FakeApi)
+    drafter = randomize_selector(make_drafter(targets["llama"]))
+    assert drafter.push_to_hub("org/tiny-drafter", model_card=_card(drafter)) == "commit"
+    files = set(os.listdir(tmp_path / "pushed"))
+    assert {"README.md", "config.json", "model.safetensors"} <= files
+    loaded = DFlash2DraftModel.from_pretrained(tmp_path / "pushed")
+    torch.testing.assert_close(loaded.candidate_selector.successor_codebook, drafter.candidate_selector.successor_codebook)
+    # a drafter loaded from a folder with a README reuses that card
+    (tmp_path / "pushed2").mkdir()
+    monkeypatch.setattr(shutil, "copytree", lambda src, dst: uploaded.setdefault("card", Path(src, "README.md").read_text()))
+    loaded.push_to_hub("org/again")
+    assert "| tau | 1.00 |" in uploaded["card"]
+
+
+def test_push_without_card_explains_what_to_do(targets):
+    with pytest.raises(ValueError, match="build_model_card"):
+        make_drafter(targets["llama"]).push_to_hub("org/x")
+
+
+def test_hub_id_resolves_offline_from_populated_cache(targets, tmp_path):
+    """from_pretrained('org/name') goes through huggingface_hub's cache resolution with HF_HUB_OFFLINE=1."""
+    drafter = randomize_selector(make_drafter(targets["qwen3"]))
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "hub" / "models--dflash2-test--tiny-drafter"
+    snapshot = repo / "snapshots" / commit
+    drafter.save_pretrained(snapshot)
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    expected = drafter.candidate_selector.successor_codebook.sum().item()
+    code = textwrap.dedent(f"""
+        import dflash2_hf
+        from transformers import AutoModel
+        from dflash2_hf import DFlash2DraftModel
+        a = DFlash2DraftModel.from_pretrained("dflash2-test/tiny-drafter")
+        b = AutoModel.from_pretrained("dflash2-test/tiny-drafter")
+        assert type(b).__name__ == "DFlash2DraftModel"
+        s = a.candidate_selector.successor_codebook.sum().item()
+        assert abs(s - ({expected})) < 1e-3, s
+        print("resolved", a.name_or_path)
+    """)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HOME": str(tmp_path)}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).parents[1] / "src"), env.get("PYTHONPATH")]))
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "resolved dflash2-test/tiny-drafter" in result.stdout
