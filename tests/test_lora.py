@@ -1,0 +1,82 @@
+"""LoRA adapters on drafters: generation unmerged and merged, adapter-only saving, mismatch errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from dflash2_hf import DFlash2DraftModel
+from dflash2_hf.lora import (
+    AdapterMismatchError,
+    adapter_size_bytes,
+    add_lora,
+    checkpoint_size_bytes,
+    load_adapter,
+    save_adapter,
+)
+from conftest import make_drafter, make_target, randomize_selector
+
+
+def _perturb_adapter(model, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+
+
+def test_lora_wraps_only_projections_and_generates(targets, tmp_path):
+    target = targets["llama"]
+    base = randomize_selector(make_drafter(target))
+    base.save_pretrained(tmp_path / "base")
+    model = add_lora(DFlash2DraftModel.from_pretrained(tmp_path / "base"))
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n in trainable)
+    assert any("q_proj.lora_A" in n for n in trainable) and any("down_proj.lora_B" in n for n in trainable)
+    _perturb_adapter(model)
+
+    ids = torch.tensor([[9, 14, 3, 77, 41, 8]])
+    ref = target.generate(ids, max_new_tokens=20, do_sample=False)
+    out_unmerged = target.generate(ids, assistant_model=model, max_new_tokens=20, do_sample=False)
+    assert torch.equal(ref, out_unmerged)
+    proposals_unmerged = list(model.get_base_model().generation_stats.accepted_drafts)
+
+    save_adapter(model, tmp_path / "adapter")
+    saved = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
+    assert saved and all("lora_" in k for k in saved)  # only the adapter, never the base weights
+    assert adapter_size_bytes(tmp_path / "adapter") < checkpoint_size_bytes(tmp_path / "base")
+
+    reloaded = load_adapter(DFlash2DraftModel.from_pretrained(tmp_path / "base"), tmp_path / "adapter")
+    embeds = torch.randn(1, base.config.block_size, base.config.hidden_size)
+    ctx = torch.randn(1, 5, base.fc.in_features)
+    with torch.no_grad():
+        h1 = model(embeds, ctx).last_hidden_state
+        h2 = reloaded(embeds, ctx).last_hidden_state
+        merged = reloaded.merge_and_unload()
+        h3 = merged(embeds, ctx).last_hidden_state
+        h0 = base(embeds, ctx).last_hidden_state
+    torch.testing.assert_close(h1, h2)
+    torch.testing.assert_close(h1, h3, rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(h0, h1, atol=1e-3)  # the adapter really changes the drafter
+    assert isinstance(merged, DFlash2DraftModel)
+    out_merged = target.generate(ids, assistant_model=merged, max_new_tokens=20, do_sample=False)
+    assert torch.equal(ref, out_merged)
+    assert merged.generation_stats.accepted_drafts == proposals_unmerged
+
+
+def test_adapter_for_another_drafter_is_refused(targets, tmp_path):
+    model = add_lora(make_drafter(targets["llama"]))
+    save_adapter(model, tmp_path / "adapter")
+    other = make_drafter(make_target("llama", hidden_size=32))
+    with pytest.raises(AdapterMismatchError, match="trained for another drafter.*hidden_size: adapter 64 vs drafter 32"):
+        load_adapter(other, tmp_path / "adapter")
+    deeper = make_drafter(targets["llama"], num_hidden_layers=3)
+    with pytest.raises(AdapterMismatchError, match="num_hidden_layers"):
+        load_adapter(deeper, tmp_path / "adapter")
+
+
+def test_adapted_drafter_for_another_target_is_refused(targets):
+    model = add_lora(make_drafter(make_target("qwen3", hidden_size=32)))
+    with pytest.raises(Exception, match="built for another target"):
+        targets["qwen3"].generate(torch.tensor([[5, 6, 7]]), assistant_model=model, max_new_tokens=3)
