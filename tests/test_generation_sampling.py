@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from dflash2_hf.generation import candidate_generator as cg
 from conftest import make_drafter, make_target, randomize_selector
@@ -21,33 +22,38 @@ NEW = 4  # t1 from the prefill, t2..t3 drafted in the first cycle, t4 its bonus
 THRESHOLD = 0.06
 
 
-def _processed_probs(logits: torch.Tensor) -> torch.Tensor:
-    logits = logits.float() / TEMPERATURE
-    kth = logits.topk(TOP_K, dim=-1).values[..., -1:]
-    return torch.softmax(logits.masked_fill(logits < kth, float("-inf")), dim=-1)
+def _processed_probs(logits: torch.Tensor, temperature=TEMPERATURE, top_k=TOP_K, top_p=None) -> torch.Tensor:
+    """The target's distribution after transformers' own warpers (the ones generate() builds)."""
+    warpers = LogitsProcessorList([TemperatureLogitsWarper(temperature)])
+    if top_k:
+        warpers.append(TopKLogitsWarper(top_k))
+    if top_p:
+        warpers.append(TopPLogitsWarper(top_p))
+    logits = logits.float().reshape(-1, logits.shape[-1])
+    return torch.softmax(warpers(None, logits), dim=-1).reshape(-1, logits.shape[-1]).squeeze(0)
 
 
 @torch.no_grad()
-def _exact_marginals(target, prompt):
+def _exact_marginals(target, prompt, **warp):
     """Exact P(t2) and P(t3) under plain sampling (enumerating t1, t2 over the whole vocabulary)."""
-    p1 = _processed_probs(target(prompt).logits[0, -1])  # (V,)
+    p1 = _processed_probs(target(prompt).logits[0, -1], **warp)  # (V,)
     seqs1 = torch.cat([prompt.expand(VOCAB, -1), torch.arange(VOCAB)[:, None]], dim=1)
-    p2_given_1 = _processed_probs(target(seqs1).logits[:, -1])  # (V, V)
+    p2_given_1 = _processed_probs(target(seqs1).logits[:, -1], **warp)  # (V, V)
     joint12 = p1[:, None] * p2_given_1
     t1, t2 = torch.meshgrid(torch.arange(VOCAB), torch.arange(VOCAB), indexing="ij")
     seqs2 = torch.cat([prompt.expand(VOCAB * VOCAB, -1), t1.reshape(-1, 1), t2.reshape(-1, 1)], dim=1)
-    p3_given_12 = _processed_probs(target(seqs2).logits[:, -1]).view(VOCAB, VOCAB, VOCAB)
+    p3_given_12 = _processed_probs(target(seqs2).logits[:, -1], **warp).view(VOCAB, VOCAB, VOCAB)
     p3 = (joint12[..., None] * p3_given_12).sum((0, 1))
     return joint12.sum(0), p3
 
 
-def _empirical(target, drafter, prompt, draws: int):
+def _empirical(target, drafter, prompt, draws: int, temperature=TEMPERATURE, top_k=TOP_K, top_p=None):
     counts = torch.zeros(2, VOCAB)
     accepted = 0
     for _ in range(draws):
         out = target.generate(
-            prompt, assistant_model=drafter, do_sample=True, temperature=TEMPERATURE, top_k=TOP_K,
-            max_new_tokens=NEW, pad_token_id=0, eos_token_id=None,
+            prompt, assistant_model=drafter, do_sample=True, temperature=temperature, top_k=top_k or None,
+            top_p=top_p, max_new_tokens=NEW, pad_token_id=0, eos_token_id=None,
         )
         new = out[0, prompt.shape[1]:]
         counts[0, new[1]] += 1
@@ -98,3 +104,13 @@ def test_sampling_without_selector_is_lossless_too(setup):
     finally:
         drafter.use_selector = True
     assert _tv(emp[0], p2) < THRESHOLD * 1.4 and _tv(emp[1], p3) < THRESHOLD * 1.4
+
+
+def test_sampling_with_top_p_and_high_temperature(setup):
+    """Another processor chain (temperature 1.3, nucleus 0.85, no top-k): still the target's distribution."""
+    target, drafter, prompt, _ = setup
+    warp = dict(temperature=1.3, top_k=0, top_p=0.85)
+    p2, p3 = _exact_marginals(target, prompt, **warp)
+    torch.manual_seed(3)
+    emp, _ = _empirical(target, drafter, prompt, draws=1200, **warp)
+    assert _tv(emp[0], p2) < THRESHOLD and _tv(emp[1], p3) < THRESHOLD, (emp, p2, p3)

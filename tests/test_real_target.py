@@ -60,3 +60,15 @@ def test_real_stop_string_inside_accepted_block(smollm2, monkeypatch):
     out = target.generate(ids, assistant_model=drafter, **kw)
     assert torch.equal(ref, out)
     assert ref.shape[1] < free.shape[1]  # the stop string really stopped it early
+
+
+def test_text_streamer_prints_the_generated_text(smollm2, capsys):
+    from transformers import TextStreamer
+
+    target, tokenizer, drafter = smollm2
+    ids = _ids(tokenizer, PROMPTS[2])
+    out = target.generate(ids, assistant_model=drafter, max_new_tokens=16, do_sample=False,
+                          streamer=TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True))
+    printed = capsys.readouterr().out
+    assert printed.strip() == tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip()
+    assert len(printed.strip()) > 10

@@ -12,6 +12,7 @@ import sys
 # sub-command name -> module (relative to this package); help text comes from the module docstring.
 SUBCOMMANDS = {
     "generate": "generate",
+    "demo": "demo",
     "prepare-data": "prepare_data",
     "train": "train",
     "bench": "bench",
