@@ -125,6 +125,7 @@ def _convert(target: _GgufTarget, final: Path) -> None:
                   "dequantized": True, "converted_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
         (tmp / _MARKER).write_text(json.dumps(marker, indent=2))
         del model
+        os.chmod(tmp, 0o755)  # mkdtemp makes it 0700
         try:
             os.rename(tmp, final)
         except OSError:  # another process won the race (final exists and is not empty): use theirs

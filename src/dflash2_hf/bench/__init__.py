@@ -1,0 +1,100 @@
+"""Speed and acceptance benchmark of DFlash2 speculative decoding against its baselines (DESIGN.md section 8).
+
+Python use::
+
+    import dflash2_hf
+    from dflash2_hf.bench import BenchSettings, load_bench_prompts, load_drafter, run_benchmark
+    from dflash2_hf.targets import load_target
+
+    target, tokenizer = load_target("smollm2")
+    drafter = load_drafter("fresh", target)              # or a folder / Hub id
+    prompts, skipped = load_bench_prompts(["sharegpt", "humaneval"], tokenizer, num_prompts=10)
+    results = run_benchmark(target, drafter, prompts, BenchSettings(max_new_tokens=128), out_dir="runs/bench")
+    results["aggregates"]   # one dict per (data set, method)
+
+Command line: ``dflash2 bench --help``. How to read the numbers: docs/bench.md.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .prompts import Prompt, load_bench_prompts
+from .recorder import ForwardRecorder, per_position_rates
+from .report import ALL, aggregate, environment, markdown, plot, records_to_json, write_outputs
+from .runner import METHOD_DESCRIPTIONS, METHODS, BenchSettings, RawRecord, generate_once, run_methods
+
+
+def load_drafter(spec: str, target, dtype: torch.dtype | None = None, **fresh_overrides):
+    """``"fresh"``: an untrained drafter sized for ``target`` (:meth:`DFlash2DraftModel.from_target`, tau ~ 1,
+    for trying the harness); otherwise a local folder or a Hub id (:meth:`DFlash2DraftModel.from_pretrained`).
+
+    The drafter is put on the target's device, in ``dtype`` (default: the target's), in eval mode.
+    """
+    from ..modeling_dflash2 import DFlash2DraftModel
+
+    param = next(target.parameters())
+    dtype = dtype or param.dtype
+    if spec == "fresh":
+        drafter = DFlash2DraftModel.from_target(target, **fresh_overrides)
+    else:
+        drafter = DFlash2DraftModel.from_pretrained(spec, dtype=dtype)
+    return drafter.to(device=param.device, dtype=dtype).eval()
+
+
+def run_benchmark(target, drafter, prompts: dict[str, list[Prompt]], settings: BenchSettings | None = None,
+                  out_dir: str | os.PathLike | None = None, meta: dict | None = None, plots: bool = True) -> dict:
+    """Runs the benchmark and (with ``out_dir``) writes ``results.json``, ``results.md`` and the PNG plots.
+
+    Args:
+        target: the target model (batch size 1 generation).
+        drafter: a :class:`~dflash2_hf.DFlash2DraftModel` for ``target`` (None allowed when no drafter method is
+            selected).
+        prompts: ``{data set name: [Prompt, ...]}`` (:func:`load_bench_prompts`, or build :class:`Prompt` yourself).
+        settings: :class:`BenchSettings` (default: all methods, greedy, 128 new tokens).
+        out_dir: where to write the files (nothing is written when None).
+        meta: free description stored in ``results["meta"]`` (target / drafter names, dtype, ...).
+
+    Returns:
+        The ``results.json`` content: ``settings``, ``meta``, ``environment`` (versions, machine), ``prompts``
+        (ids and lengths per data set), ``run`` (timestamps, warm-up times), ``records`` (one per prompt x method:
+        new tokens, seconds, tokens/s, identity, forward accounting, generation_stats, output ids) and
+        ``aggregates`` (one per data set x method, plus data set ``"all"``).
+    """
+    settings = settings or BenchSettings()
+    meta = dict(meta or {})
+    if drafter is not None:
+        meta.setdefault("block_size", drafter.config.block_size)
+        meta.setdefault("drafter_parameters", sum(p.numel() for p in drafter.parameters()))
+        meta.setdefault("drafter_config", {k: getattr(drafter.config, k, None) for k in (
+            "num_hidden_layers", "hidden_size", "block_size", "target_layer_ids", "use_local_conv",
+            "use_candidate_selector", "selector_top_k", "selector_rank", "mask_token_id")})
+    meta.setdefault("dtype", str(next(target.parameters()).dtype).replace("torch.", ""))
+    env = environment(target)
+    records, run_info = run_methods(target, drafter, prompts, settings)
+    env["machine"]["load_average_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+    block_size = drafter.config.block_size if drafter is not None else None
+    results = {
+        "format": "dflash2-bench/1",
+        "settings": settings.to_dict(),
+        "meta": meta,
+        "environment": env,
+        "prompts": {name: [{"id": p.prompt_id, "tokens": p.num_tokens, "chat_template": p.chat} for p in plist]
+                    for name, plist in prompts.items()},
+        "run": run_info,
+        "aggregates": aggregate(records, settings.methods, block_size, settings.prompt_lookup_num_tokens,
+                                settings.greedy),
+        "records": records_to_json(records),
+    }
+    if out_dir is not None:
+        results["files"] = write_outputs(results, out_dir, plots=plots)
+    return results
+
+
+__all__ = [
+    "ALL", "BenchSettings", "ForwardRecorder", "METHODS", "METHOD_DESCRIPTIONS", "Prompt", "RawRecord",
+    "aggregate", "environment", "generate_once", "load_bench_prompts", "load_drafter", "markdown",
+    "per_position_rates", "plot", "records_to_json", "run_benchmark", "run_methods", "write_outputs",
+]

@@ -1,0 +1,226 @@
+"""The benchmark loop: every method on the same prompts, interleaved per prompt, with a rotating method order.
+
+For prompt ``j`` the methods run in the order ``methods[j % m:] + methods[:j % m]`` so slow drift of the machine
+(other jobs, thermal state) hits every method alike. Before the timed loop every method generates once, untimed, on
+the first prompt (warm-up: first-call allocations, lazy initialisation). Each timed figure is the wall-clock of the
+``target.generate()`` call itself (``time.perf_counter``, CUDA synchronised at both ends).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from .recorder import ForwardRecorder
+
+METHODS = ("plain", "prompt_lookup", "builtin_dflash", "dflash2_top1", "dflash2")
+DRAFTER_METHODS = ("builtin_dflash", "dflash2_top1", "dflash2")
+STATS_METHODS = ("dflash2_top1", "dflash2")  # methods that fill drafter.generation_stats
+
+METHOD_DESCRIPTIONS = {
+    "plain": "target.generate() without speculation",
+    "prompt_lookup": "target.generate(prompt_lookup_num_tokens=N) (n-gram lookup in the prompt, transformers)",
+    "builtin_dflash": "target.generate(assistant_model=drafter, speculation_type='dflash') (transformers' DFlash loop,"
+                      " no selector)",
+    "dflash2_top1": "target.generate(assistant_model=drafter) with drafter.use_selector=False (DFlash2 loop, top-1 "
+                    "path)",
+    "dflash2": "target.generate(assistant_model=drafter) (DFlash2 loop with the candidate selector)",
+}
+
+
+@dataclass
+class BenchSettings:
+    """What to run.
+
+    Attributes:
+        max_new_tokens: cap per generation.
+        temperature: 0 = greedy (``do_sample=False``); > 0 samples with this temperature.
+        top_p, top_k: sampling filters (``top_k=0`` = off); ignored when greedy.
+        methods: subset of :data:`METHODS` (``plain`` is always added: it is the speedup and identity reference).
+        seed: sampling seed; before each call ``torch.manual_seed(seed + prompt index)`` (same seed for every
+            method on a prompt).
+        prompt_lookup_num_tokens: ``N`` of the prompt-lookup baseline.
+        warmup: one untimed generation per method first.
+        warmup_tokens: ``max_new_tokens`` of the warm-up generations.
+        progress: tqdm progress bar.
+    """
+
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    methods: tuple = METHODS
+    seed: int = 0
+    prompt_lookup_num_tokens: int = 10
+    warmup: bool = True
+    warmup_tokens: int = 16
+    progress: bool = True
+
+    def __post_init__(self):
+        methods = tuple(dict.fromkeys(self.methods))
+        unknown = [m for m in methods if m not in METHODS]
+        if unknown:
+            raise ValueError(f"unknown method(s) {unknown}; choose from {list(METHODS)}")
+        if "plain" not in methods:
+            methods = ("plain",) + methods
+        self.methods = methods
+        if self.temperature < 0:
+            raise ValueError("temperature must be >= 0")
+        if self.max_new_tokens < 1:
+            raise ValueError("max_new_tokens must be >= 1")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def generate_kwargs(self) -> dict:
+        if self.greedy:
+            return dict(do_sample=False)
+        return dict(do_sample=True, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k or None)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["methods"] = list(self.methods)
+        d["greedy"] = self.greedy
+        return d
+
+
+def _sync(device) -> None:
+    if getattr(device, "type", "cpu") == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def generate_once(target, drafter, method: str, input_ids: torch.Tensor, settings: BenchSettings,
+                  max_new_tokens: int | None = None) -> tuple[torch.Tensor, float, dict | None]:
+    """One timed ``generate()`` call of ``method``.
+
+    Returns:
+        ``(new token ids (1-D), wall seconds of the generate() call, generation_stats dict or None)``.
+    """
+    kwargs = dict(max_new_tokens=max_new_tokens or settings.max_new_tokens,
+                  attention_mask=torch.ones_like(input_ids), **settings.generate_kwargs())
+    if method == "prompt_lookup":
+        kwargs["prompt_lookup_num_tokens"] = settings.prompt_lookup_num_tokens
+    elif method == "builtin_dflash":
+        kwargs.update(assistant_model=drafter, speculation_type="dflash")
+    elif method in STATS_METHODS:
+        kwargs["assistant_model"] = drafter
+    elif method != "plain":
+        raise ValueError(method)
+    previous_flag = getattr(drafter, "use_selector", True) if drafter is not None else None
+    if method in DRAFTER_METHODS:
+        drafter.generation_stats = None
+        if method == "dflash2_top1":
+            drafter.use_selector = False
+    device = input_ids.device
+    try:
+        _sync(device)
+        start = time.perf_counter()
+        out = target.generate(input_ids, **kwargs)
+        _sync(device)
+        seconds = time.perf_counter() - start
+    finally:
+        if drafter is not None:
+            drafter.use_selector = previous_flag
+    stats = None
+    if method in STATS_METHODS:
+        if drafter.generation_stats is None:
+            raise RuntimeError(f"{method}: generate() did not run the DFlash2 loop (no generation_stats); "
+                               "is dflash2_hf imported and the drafter a DFlash2DraftModel?")
+        stats = drafter.generation_stats.to_dict()
+    sequences = out.sequences if hasattr(out, "sequences") else out
+    return sequences[0, input_ids.shape[1]:].detach().cpu(), seconds, stats
+
+
+@dataclass
+class RawRecord:
+    """One timed call (one prompt x one method); the per-prompt raw numbers of ``results.json``."""
+
+    dataset: str
+    prompt_id: str
+    prompt_index: int
+    method: str
+    order: int  # position of the method in this prompt's rotated order
+    prompt_tokens: int
+    new_tokens: int
+    seconds: float
+    tokens_per_second: float
+    identical_to_plain: bool | None
+    forwards: dict = field(default_factory=dict)
+    generation_stats: dict | None = None
+    output_ids: list = field(default_factory=list)
+
+
+def run_methods(target, drafter, prompts: dict, settings: BenchSettings) -> tuple[list[RawRecord], dict]:
+    """Runs every method on every prompt (interleaved, rotated order); returns the raw records and run info.
+
+    ``prompts``: ``{dataset name: [Prompt, ...]}`` (see :mod:`.prompts`).
+    """
+    methods = settings.methods
+    if any(m in DRAFTER_METHODS for m in methods) and drafter is None:
+        raise ValueError(f"methods {[m for m in methods if m in DRAFTER_METHODS]} need a drafter")
+    if drafter is not None:
+        drafter.check_target(target)
+    device = next(target.parameters()).device
+    flat = [(name, p) for name, plist in prompts.items() for p in plist]
+    if not flat:
+        raise ValueError("no prompts")
+    progress = None
+    total = len(flat) * len(methods) + (len(methods) if settings.warmup else 0)
+    if settings.progress:
+        from tqdm.auto import tqdm
+
+        progress = tqdm(total=total, desc="bench", unit="gen", dynamic_ncols=True)
+    records: list[RawRecord] = []
+    info = {"started_at": time.strftime("%Y-%m-%dT%H:%M:%S"), "warmup_seconds": {}}
+    try:
+        with ForwardRecorder(target, drafter) as recorder:
+            if settings.warmup:
+                ids = torch.tensor([flat[0][1].input_ids], device=device)
+                for method in methods:
+                    if progress is not None:
+                        progress.set_postfix_str(f"warm-up {method}")
+                    torch.manual_seed(settings.seed)
+                    _, seconds, _ = generate_once(target, drafter, method, ids, settings,
+                                                  min(settings.warmup_tokens, settings.max_new_tokens))
+                    info["warmup_seconds"][method] = seconds
+                    if progress is not None:
+                        progress.update(1)
+            for index, (dataset, prompt) in enumerate(flat):
+                ids = torch.tensor([prompt.input_ids], device=device)
+                shift = index % len(methods)
+                order = methods[shift:] + methods[:shift]
+                outputs = {}
+                prompt_records = []
+                for position, method in enumerate(order):
+                    if progress is not None:
+                        progress.set_postfix_str(f"{dataset}#{prompt.prompt_id} {method}")
+                    torch.manual_seed(settings.seed + index)
+                    recorder.reset()
+                    new_ids, seconds, stats = generate_once(target, drafter, method, ids, settings)
+                    n_new = int(new_ids.numel())
+                    forwards = recorder.summary(prompt.num_tokens, n_new, settings.max_new_tokens)
+                    outputs[method] = new_ids.tolist()
+                    prompt_records.append(RawRecord(
+                        dataset=dataset, prompt_id=prompt.prompt_id, prompt_index=index, method=method,
+                        order=position, prompt_tokens=prompt.num_tokens, new_tokens=n_new, seconds=seconds,
+                        tokens_per_second=n_new / seconds if seconds > 0 else float("nan"),
+                        identical_to_plain=None, forwards=forwards, generation_stats=stats,
+                        output_ids=outputs[method]))
+                    if progress is not None:
+                        progress.update(1)
+                for rec in prompt_records:
+                    if settings.greedy:
+                        rec.identical_to_plain = outputs[rec.method] == outputs["plain"]
+                    records.append(rec)
+    finally:
+        if progress is not None:
+            progress.close()
+    info["finished_at"] = time.strftime("%Y-%m-%dT%H:%M:%S")
+    return records, info
+
+
+__all__ = ["BenchSettings", "METHODS", "DRAFTER_METHODS", "STATS_METHODS", "METHOD_DESCRIPTIONS", "RawRecord",
+           "generate_once", "run_methods"]

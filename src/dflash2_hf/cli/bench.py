@@ -1,0 +1,115 @@
+"""Benchmark DFlash2 speculative decoding against plain generate() and the other baselines.
+
+Runs every method on the same prompts, interleaved per prompt (rotating the method order), after one untimed
+warm-up generation per method. Methods: plain, prompt_lookup, builtin_dflash (transformers' own DFlash loop with our
+drafter), dflash2_top1 (our loop, selector off), dflash2 (our loop with the candidate selector).
+
+Writes to --out: results.json (settings, versions, machine, per-prompt raw numbers, aggregates), results.md (the
+table printed at the end), acceptance_per_position.png and speedup.png. How to read the columns: docs/bench.md.
+
+Examples:
+  dflash2 bench --target smollm2 --drafter model_cards/dflash2-smollm2-135m-instruct --out runs/bench
+  dflash2 bench --target smollm2 --drafter fresh --datasets sharegpt,humaneval --num-prompts 2 \\
+      --max-new-tokens 32 --out runs/bench-smoke
+  dflash2 bench --drafter my-drafter --datasets my_prompts.jsonl --temperature 0.7 --top-p 0.9 --out runs/t07
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+_DTYPES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16"}
+_METHODS = ("plain", "prompt_lookup", "builtin_dflash", "dflash2_top1", "dflash2")
+
+
+def _csv(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--target", default="smollm2",
+                        help="target alias (smollm2, gemma3-270m) or a local transformers folder (default: smollm2)")
+    parser.add_argument("--drafter", required=True,
+                        help="drafter folder or Hub id, or 'fresh' for an untrained drafter built for the target "
+                             "(tau ~ 1: only for trying the harness)")
+    parser.add_argument("--datasets", default="sharegpt,humaneval",
+                        help="comma-separated: 'sharegpt' (ShareGPT dev records 16000-16999, first human turn), "
+                             "'humaneval', or paths of JSONL files with a 'prompt' string or a chat 'messages' list "
+                             "per line (default: sharegpt,humaneval)")
+    parser.add_argument("--num-prompts", type=int, default=10, help="prompts per data set (default 10)")
+    parser.add_argument("--max-new-tokens", type=int, default=128, help="new tokens per generation (default 128)")
+    parser.add_argument("--max-prompt-tokens", type=int, default=1024,
+                        help="skip prompts longer than this after the chat template (default 1024; 0 = no limit)")
+    parser.add_argument("--dtype", default="fp32", choices=sorted(_DTYPES),
+                        help="target and drafter dtype (default fp32; greedy identity is only guaranteed in fp32)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (default 1.0 = off)")
+    parser.add_argument("--top-k", type=int, default=0, help="top-k sampling filter (default 0 = off)")
+    parser.add_argument("--methods", default=",".join(_METHODS),
+                        help=f"comma-separated subset of {','.join(_METHODS)} (plain is always run: it is the "
+                             "reference of the speedup and of the identity check)")
+    parser.add_argument("--prompt-lookup-tokens", type=int, default=10,
+                        help="prompt_lookup_num_tokens of the prompt_lookup baseline (default 10)")
+    parser.add_argument("--raw-prompts", action="store_true",
+                        help="JSONL 'prompt' strings are fed as raw text instead of one user chat message")
+    parser.add_argument("--out", required=True, help="output folder")
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    parser.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: torch's default)")
+    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    parser.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up generations")
+    parser.add_argument("--no-plots", action="store_true", help="do not write the PNG plots")
+    parser.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from .. import __version__  # noqa: F401  (importing dflash2_hf installs the generate() routing)
+    from ..bench import BenchSettings, load_bench_prompts, load_drafter, run_benchmark
+    from ..targets import load_target
+
+    methods = _csv(args.methods)
+    unknown = [m for m in methods if m not in _METHODS]
+    if unknown:
+        print(f"error: unknown method(s) {unknown}; choose from {list(_METHODS)}", file=sys.stderr)
+        return 2
+    if "plain" not in methods:
+        print("note: adding 'plain' (the reference of speedup and identity)", file=sys.stderr)
+    if args.num_threads:
+        torch.set_num_threads(args.num_threads)
+    dtype = getattr(torch, _DTYPES[args.dtype])
+    settings = BenchSettings(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                             top_k=args.top_k, methods=tuple(methods), seed=args.seed,
+                             prompt_lookup_num_tokens=args.prompt_lookup_tokens, warmup=not args.no_warmup,
+                             progress=not args.no_progress)
+    torch.manual_seed(args.seed)
+    target, tokenizer = load_target(args.target, dtype=dtype, device=args.device)
+    needs_drafter = any(m in ("builtin_dflash", "dflash2_top1", "dflash2") for m in settings.methods)
+    drafter = load_drafter(args.drafter, target, dtype=dtype) if needs_drafter else None
+    prompts, skipped = load_bench_prompts(_csv(args.datasets), tokenizer, args.num_prompts,
+                                          max_prompt_tokens=args.max_prompt_tokens or None, chat=not args.raw_prompts)
+    meta = {"target": args.target, "drafter": args.drafter, "dtype": args.dtype,
+            "datasets": _csv(args.datasets), "skipped_prompts_too_long": skipped,
+            "max_prompt_tokens": args.max_prompt_tokens or None, "raw_prompts": args.raw_prompts,
+            "command": "dflash2 bench " + " ".join(sys.argv[1:]) if sys.argv else None}
+    results = run_benchmark(target, drafter, prompts, settings, out_dir=args.out, meta=meta, plots=not args.no_plots)
+    with open(f"{args.out}/results.md") as f:
+        print(f.read())
+    print("wrote: " + ", ".join(results["files"]))
+    from ..bench.report import load_warning
+
+    warning = load_warning(results["environment"])
+    if warning:
+        print(f"WARNING: {warning}", file=sys.stderr)
+    failed = [f"{r['dataset']}/{r['method']}" for r in results["aggregates"] if r["identical_all"] is False]
+    pooled = results["aggregates"][-1]["dataset"]
+    print(f"speedup over plain ({pooled}): " + ", ".join(
+        f"{r['method']} {r['speedup']:.2f}x" for r in results["aggregates"]
+        if r["dataset"] == pooled and r["method"] != "plain" and r["speedup"] is not None))
+    if failed:
+        print(f"WARNING: greedy output differs from plain greedy for {failed} (see 'identical_to_plain' in "
+              "results.json records)", file=sys.stderr)
+        if args.dtype == "fp32":
+            return 1  # a lossless method changed the fp32 greedy output: a bug, not noise
+    return 0

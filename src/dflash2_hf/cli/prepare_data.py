@@ -1,0 +1,69 @@
+"""Regenerate ShareGPT assistant turns with the target (training data for the drafter).
+
+Renders ShareGPT V3 conversations with the target's chat template, lets the target write the assistant turns
+itself (greedy, batched), and writes resumable JSONL shards + meta.json to --out (format: see
+dflash2_hf.data.regenerate). Rerun the same command to resume after an interruption.
+
+Example:
+  dflash2 prepare-data --target smollm2 --out data/smollm2-sharegpt --start 0 --stop 16000 \\
+      --batch-size 8 --max-new-tokens 256 --num-threads 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+
+_DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
+           "float16": "float16", "fp16": "float16"}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--target", default="smollm2",
+                        help="target alias (smollm2, gemma3-270m) or a local transformers folder (default: smollm2)")
+    parser.add_argument("--out", required=True, help="output folder (resumed if it already holds a run)")
+    parser.add_argument("--start", type=int, default=0, help="first ShareGPT record (default 0)")
+    parser.add_argument("--stop", type=int, default=16000, help="end of the record range, exclusive (default 16000; "
+                        "records from 17000 on are held out)")
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--max-new-tokens", type=int, default=256, help="cap per regenerated assistant turn")
+    parser.add_argument("--max-prompt-tokens", type=int, default=512,
+                        help="records with a longer first prompt are skipped (default 512)")
+    parser.add_argument("--max-turns", type=int, default=1, help="assistant turns regenerated per conversation")
+    parser.add_argument("--dtype", default="float32", choices=sorted(_DTYPES),
+                        help="target dtype while generating (default float32: bf16 is faster but its greedy output "
+                             "differs from fp32 serving)")
+    parser.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--shard-size", type=int, default=1000, help="conversations per shard file")
+    parser.add_argument("--sort-window", type=int, default=8,
+                        help="batches' worth of records read ahead and sorted by length (less padding)")
+    parser.add_argument("--max-batches", type=int, default=None, help="stop after N batches (benchmarking)")
+    parser.add_argument("--cache-implementation", default="static", choices=["static", "dynamic"],
+                        help="KV cache used by generate (static: default, ~1.8x faster on CPU, same tokens)")
+    parser.add_argument("--note", default=None, help="free text stored in meta.json")
+    parser.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from ..data.regenerate import prepare_data
+    from ..targets import load_target
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.num_threads:
+        torch.set_num_threads(args.num_threads)
+    dtype = getattr(torch, _DTYPES[args.dtype])
+    model, tokenizer = load_target(args.target, dtype=dtype)
+    note = args.note
+    if dtype != torch.float32 and not note:
+        note = f"generated in {args.dtype}: greedy output can differ from float32 serving"
+    counts = prepare_data(model, tokenizer, args.out, start=args.start, stop=args.stop, max_turns=args.max_turns,
+                          max_prompt_tokens=args.max_prompt_tokens, max_new_tokens=args.max_new_tokens,
+                          batch_size=args.batch_size, target_name=args.target, shard_size=args.shard_size,
+                          sort_window=args.sort_window, num_threads=args.num_threads, max_batches=args.max_batches,
+                          progress=not args.no_progress, note=note,
+                          cache_implementation=None if args.cache_implementation == "dynamic" else "static")
+    print(json.dumps(counts, indent=2, default=str))
+    return 0

@@ -1,0 +1,160 @@
+"""Smoke test of the benchmark harness (dflash2_hf.bench) with tiny random models: every method, greedy and sampling."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conftest import make_drafter, make_target, randomize_selector
+from dflash2_hf.bench import METHODS, BenchSettings, Prompt, per_position_rates, run_benchmark
+from dflash2_hf.bench.prompts import jsonl_bench_prompts
+
+NEW = 10
+
+
+@pytest.fixture(scope="module")
+def models():
+    target = make_target("llama")
+    drafter = randomize_selector(make_drafter(target))
+    return target, drafter
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    g = torch.Generator().manual_seed(0)
+    random_prompt = torch.randint(6, 96, (9,), generator=g).tolist()
+    repetitive = [7, 8, 9, 10] * 3  # gives prompt lookup something to find
+    return {"rand": [Prompt("rand", "0", random_prompt)], "rep": [Prompt("rep", "0", repetitive)]}
+
+
+def _check_files(out, results, methods):
+    for name in ("results.json", "results.md", "acceptance_per_position.png", "speedup.png"):
+        assert (out / name).is_file() and (out / name).stat().st_size > 0, name
+    data = json.loads((out / "results.json").read_text())
+    for key in ("settings", "meta", "environment", "prompts", "run", "records", "aggregates"):
+        assert key in data, key
+    assert {"torch", "transformers", "dflash2_hf"} <= set(data["environment"]["versions"])
+    assert {"cpu_count", "torch_threads", "device"} <= set(data["environment"]["machine"])
+    assert len(data["records"]) == 2 * len(methods)
+    # interleaved: each prompt runs every method, in a rotated order
+    orders = {}
+    for rec in data["records"]:
+        orders.setdefault(rec["prompt_index"], {})[rec["order"]] = rec["method"]
+    assert [orders[0][i] for i in range(len(methods))] != [orders[1][i] for i in range(len(methods))]
+    for rec in data["records"]:
+        assert rec["new_tokens"] > 0 and rec["seconds"] > 0 and rec["tokens_per_second"] > 0
+        assert rec["forwards"]["target_forwards"] >= 1
+        if rec["method"] in ("dflash2", "dflash2_top1"):
+            stats = rec["generation_stats"]
+            assert stats is not None
+            # the hook-based accounting agrees with the loop's own statistics
+            assert rec["forwards"]["cycles"] == stats["num_cycles"]
+            assert rec["forwards"]["accepted"] == stats["accepted_drafts"]
+            assert rec["forwards"]["tau_from_forwards"] == pytest.approx(stats["tau"])
+        if rec["method"] == "plain" and rec["forwards"]["cycles"]:
+            assert rec["forwards"]["tau_from_forwards"] == pytest.approx(1.0)
+    rows = data["aggregates"]
+    assert {(r["dataset"], r["method"]) for r in rows} == {(d, m) for d in ("rand", "rep", "all") for m in methods}
+    for row in rows:
+        for key in ("tokens_per_second", "speedup", "tau", "per_position_acceptance", "time_split_ms_per_cycle",
+                    "identical_to_plain", "prefill_ms_per_call"):
+            assert key in row, key
+        assert row["tokens_per_second"] > 0 and row["speedup"] > 0
+        if row["method"] == "plain":
+            assert row["speedup"] == pytest.approx(1.0)
+        if row["method"] in ("builtin_dflash", "dflash2", "dflash2_top1"):
+            assert len(row["per_position_acceptance"]) == 5  # block size 6
+            assert row["time_split_ms_per_cycle"]["draft"] is not None
+    md = (out / "results.md").read_text()
+    for m in methods:
+        assert f"| {m} |" in md
+    return data
+
+
+def test_bench_greedy(models, prompts, tmp_path):
+    target, drafter = models
+    settings = BenchSettings(max_new_tokens=NEW, methods=METHODS, warmup_tokens=3, progress=False)
+    results = run_benchmark(target, drafter, prompts, settings, out_dir=tmp_path, meta={"target": "tiny-llama"})
+    data = _check_files(tmp_path, results, METHODS)
+    # every method is lossless in fp32 greedy: token-for-token identical to plain greedy
+    assert all(rec["identical_to_plain"] is True for rec in data["records"])
+    assert all(row["identical_all"] is True for row in data["aggregates"])
+    assert drafter.use_selector is True  # restored after dflash2_top1
+    pl = next(r for r in data["aggregates"] if r["dataset"] == "rep" and r["method"] == "prompt_lookup")
+    assert pl["per_position_acceptance"] is not None
+
+
+def test_bench_sampling_subset(models, prompts, tmp_path):
+    target, drafter = models
+    settings = BenchSettings(max_new_tokens=NEW, temperature=0.8, top_p=0.95,
+                             methods=("dflash2", "builtin_dflash", "prompt_lookup", "dflash2_top1"),
+                             warmup=False, progress=False)
+    assert settings.methods[0] == "plain"  # always added: the speedup reference
+    results = run_benchmark(target, drafter, prompts, settings, out_dir=tmp_path)
+    data = _check_files(tmp_path, results, settings.methods)
+    assert all(rec["identical_to_plain"] is None for rec in data["records"])
+    assert all(row["identical_to_plain"] is None for row in data["aggregates"])
+    assert "n/a" in (tmp_path / "results.md").read_text()
+
+
+def test_forward_accounting_with_acceptance(models, prompts, tmp_path, monkeypatch):
+    """With an oracle drafter (the plain greedy continuation, every 3rd draft corrupted) blocks are partly accepted:
+    the hook-based per-cycle accounting must match the loop's own statistics exactly."""
+    from dflash2_hf.generation import candidate_generator as cg
+
+    target, drafter = models
+    ids = torch.tensor([prompts["rand"][0].input_ids])
+    full = target.generate(ids, max_new_tokens=NEW, do_sample=False)[0].tolist()
+
+    def oracle(self, input_ids, num_drafts):
+        cur = input_ids.shape[1]
+        tokens = (full[cur: cur + num_drafts] + [0] * num_drafts)[:num_drafts]
+        if len(tokens) >= 3:
+            tokens[2] = (tokens[2] + 1) % 96
+        return cg.DraftProposal(tokens=torch.tensor([tokens]))
+
+    monkeypatch.setattr(cg.DFlash2CandidateGenerator, "propose", oracle)
+    settings = BenchSettings(max_new_tokens=NEW, methods=("dflash2",), warmup=False, progress=False)
+    data = run_benchmark(target, drafter, {"rand": prompts["rand"]}, settings, out_dir=None)
+    rec = next(r for r in data["records"] if r["method"] == "dflash2")
+    stats = rec["generation_stats"]
+    assert stats["tau"] > 1.5 and rec["identical_to_plain"] is True
+    assert rec["forwards"]["accepted"] == stats["accepted_drafts"]
+    assert rec["forwards"]["drafts"] == stats["draft_lengths"]
+    assert rec["forwards"]["tau_from_forwards"] == pytest.approx(stats["tau"])
+
+
+def test_per_position_rates():
+    assert per_position_rates([3, 3, 1], [3, 0, 1], 4) == [2 / 3, 1 / 2, 1 / 2, None]
+
+
+class _FakeTokenizer:
+    chat_template = "fake"
+
+    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True):
+        return "|".join(f"{m['role']}:{m['content']}" for m in messages) + ("|assistant:" if add_generation_prompt else "")
+
+    def __call__(self, text, add_special_tokens=True):
+        return {"input_ids": ([1] if add_special_tokens else []) + [ord(c) % 90 + 6 for c in text]}
+
+
+def test_jsonl_prompts(tmp_path):
+    path = tmp_path / "mine.jsonl"
+    path.write_text(json.dumps({"prompt": "hi"}) + "\n\n"
+                    + json.dumps({"id": "x", "messages": [{"role": "user", "content": "yo"}]}) + "\n"
+                    + json.dumps({"prompt": "a much longer prompt than the limit"}) + "\n")
+    tok = _FakeTokenizer()
+    skipped = []
+    got = jsonl_bench_prompts(path, tok, 10, max_prompt_tokens=20, skipped=skipped)
+    assert [p.prompt_id for p in got] == ["1", "x"] and skipped == ["4"]
+    assert got[0].dataset == "mine" and got[0].chat
+    assert got[0].input_ids == tok(tok.apply_chat_template([{"role": "user", "content": "hi"}]),
+                                   add_special_tokens=False)["input_ids"]
+    raw = jsonl_bench_prompts(path, tok, 1, chat=False)
+    assert raw[0].input_ids == tok("hi")["input_ids"] and not raw[0].chat
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "no prompt field"}\n')
+    with pytest.raises(ValueError, match="prompt"):
+        jsonl_bench_prompts(bad, tok, 1)

@@ -1,0 +1,347 @@
+"""Data sets and target-regenerated training data (dflash2_hf.data), with a tiny offline Llama + tokenizer."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+
+from dflash2_hf.data import (
+    DEV_RANGE,
+    HELDOUT_START,
+    TRAIN_RANGE,
+    PreparedDataError,
+    ShareGPTReader,
+    check_range,
+    conversation_turns,
+    count_sharegpt_records,
+    humaneval_prompt,
+    iter_sharegpt,
+    load_humaneval,
+    load_prepared,
+    prepare_data,
+    read_meta,
+    response_mask,
+    sharegpt_prompts,
+)
+
+CHATML = ("{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+          "{{ '<|im_start|>system\nYou are a test bot<|im_end|>\n' }}{% endif %}"
+          "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}"
+          "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+EOS = 2
+
+
+# ------------------------------------------------------------------------------------------------ fixtures
+
+
+def _tiny_tokenizer():
+    """Character-level tokenizer (vocab 99): <unk>, <|im_start|>, <|im_end|>, printable ASCII + newline."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<unk>", "<|im_start|>", "<|im_end|>"]
+    vocab = {tok: i for i, tok in enumerate(specials + [chr(c) for c in range(32, 127)] + ["\n"])}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    backend.decoder = decoders.Fuse()
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<|im_start|>",
+                                  eos_token="<|im_end|>", pad_token="<|im_end|>")
+    tok.chat_template = CHATML
+    return tok
+
+
+def _tiny_llama(vocab_size: int, seed: int = 0, always_eos: bool = False):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                      bos_token_id=1, eos_token_id=EOS, pad_token_id=EOS, tie_word_embeddings=False)
+    model = LlamaForCausalLM(cfg).eval()
+    model.generation_config.eos_token_id = EOS
+    model.generation_config.pad_token_id = EOS
+    if always_eos:  # the LM head always prefers the end-of-turn token: every response is [EOS]
+        with torch.no_grad():
+            model.lm_head.weight.zero_()
+            model.lm_head.weight[EOS, :] = 0.0
+        head = torch.nn.Linear(32, vocab_size, bias=True)
+        with torch.no_grad():
+            head.weight.zero_()
+            head.bias.zero_()
+            head.bias[EOS] = 10.0
+        model.lm_head = head
+    return model
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    tok = _tiny_tokenizer()
+    return _tiny_llama(len(tok)), tok
+
+
+def _conv(*turns):
+    return {"id": "x", "conversations": [{"from": r, "value": v} for r, v in turns]}
+
+
+def _write_array(path, records, cut_at=None):
+    text = json.dumps(records, indent=2)
+    if cut_at is not None:
+        text = text[:cut_at]
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def _good_records(n):
+    return [_conv(("human", f"Question number {i}: what is {i} plus {i}?"), ("gpt", f"It is {2 * i}."),
+                  ("human", "Thanks, and times two?"), ("gpt", "Double.")) for i in range(n)]
+
+
+# ------------------------------------------------------------------------------------------------ sharegpt reader
+
+
+def test_reader_truncated_array(tmp_path):
+    records = [{"id": f"r{i}", "conversations": [{"from": "human", "value": "x" * (i * 37) + "\u00e9"}]}
+               for i in range(6)]
+    full = json.dumps(records, indent=2)
+    cut = full.index('"r4"') + 2  # mid-record 4
+    path = _write_array(tmp_path / "sg.json", records, cut_at=cut)
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(path.read_text())
+    reader = ShareGPTReader(path, chunk_chars=16)  # tiny chunks: records straddle many refills
+    got = list(reader)
+    assert [i for i, _ in got] == [0, 1, 2, 3]
+    assert [r for _, r in got] == records[:4]
+    assert reader.num_records == 4 and reader.truncated and reader.complete
+
+    whole = ShareGPTReader(_write_array(tmp_path / "whole.json", records), chunk_chars=16)
+    assert [r for _, r in whole] == records and not whole.truncated and whole.num_records == 6
+
+    assert [i for i, _ in iter_sharegpt(1, 3, path=path)] == [1, 2]
+    assert [i for i, _ in iter_sharegpt(2, None, path=path)] == [2, 3]
+
+
+def test_reader_rejects_garbage(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"not": "an array"}')
+    with pytest.raises(ValueError, match="not a JSON array"):
+        list(ShareGPTReader(bad))
+    bad.write_text('[{"a": 1} {"b": 2}]')
+    with pytest.raises(ValueError, match="expected ','"):
+        list(ShareGPTReader(bad))
+
+
+def test_real_sharegpt_file_is_truncated_after_about_17600_records(caplog):
+    with caplog.at_level(logging.INFO, logger="dflash2_hf.data.sharegpt"):
+        n = count_sharegpt_records()
+    assert 17_500 <= n <= 17_800
+    assert any("whole records" in r.getMessage() and "truncated" in r.getMessage() for r in caplog.records)
+
+
+def test_heldout_guard(tmp_path):
+    assert TRAIN_RANGE == (0, 16000) and DEV_RANGE == (16000, 17000) and HELDOUT_START == 17000
+    assert check_range(0, None) == 17000
+    for start, stop in [(0, 17001), (16990, 17010), (17000, 17500)]:
+        with pytest.raises(ValueError, match="held out"):
+            iter_sharegpt(start, stop)  # raises eagerly, before any reading
+        with pytest.raises(ValueError, match="held out"):
+            sharegpt_prompts(start, stop)
+    path = _write_array(tmp_path / "sg.json", _good_records(3))
+    assert len(list(iter_sharegpt(0, 17001, path=path, allow_heldout=True))) == 3
+    with pytest.raises(ValueError, match="held out"):
+        prepare_data(None, None, tmp_path / "out", start=0, stop=17001, source_path=path)
+
+
+def test_sharegpt_prompts(tmp_path):
+    recs = [_conv(("gpt", "hi"), ("human", "first q")), _conv(("gpt", "only gpt")), _conv(("human", "  ")),
+            _conv(("system", "s"), ("human", "q3"))]
+    path = _write_array(tmp_path / "sg.json", recs)
+    assert sharegpt_prompts(0, 4, path=path) == [(0, "first q"), (3, "q3")]
+
+
+# ------------------------------------------------------------------------------------------------ humaneval
+
+
+def test_humaneval():
+    problems = load_humaneval()
+    assert len(problems) == 164 and problems[0]["task_id"] == "HumanEval/0"
+    assert {"prompt", "entry_point", "test", "canonical_solution"} <= set(problems[0])
+    text = humaneval_prompt(problems[0], _tiny_tokenizer())
+    assert "Complete the following Python function" in text and "```python" in text
+    assert problems[0]["prompt"] in text and text.endswith("<|im_start|>assistant\n")
+
+
+# ------------------------------------------------------------------------------------------------ regeneration
+
+
+def test_conversation_turns_rules():
+    sys_conv = _conv(("system", "be nice"), ("gpt", "dangling"), ("human", "a"), ("gpt", "b"), ("human", "c"),
+                     ("human", "d"))
+    assert conversation_turns(sys_conv, 5) == ("be nice", ["a", "c"])  # stops where alternation breaks
+    assert conversation_turns(sys_conv, 1) == ("be nice", ["a"])
+    for rec, reason in [(_conv(("bing", "x"), ("human", "a")), "unknown_role"),
+                        (_conv(("gpt", "x")), "no_human_turn"), (_conv(), "no_human_turn"),
+                        (_conv(("human", " \n")), "empty_turn"), ({"id": "x"}, "malformed"),
+                        ({"conversations": [{"from": "human", "value": 3}]}, "malformed")]:
+        with pytest.raises(Exception) as info:
+            conversation_turns(rec, 1)
+        assert info.value.reason == reason
+
+
+def test_skips_are_counted_never_crash(tmp_path, tiny):
+    model, tok = tiny
+    recs = [
+        _conv(("human", "good one"), ("gpt", "a")),                       # 0 kept
+        _conv(("bing", "hello"), ("human", "x")),                         # 1 unknown_role
+        _conv(("human", "   "), ("gpt", "a")),                            # 2 empty_turn
+        _conv(("gpt", "only the model speaks")),                          # 3 no_human_turn
+        {"id": "m", "conversations": "not a list"},                       # 4 malformed
+        _conv(("human", "long " * 200)),                                  # 5 prompt_too_long
+        _conv(("gpt", "continued"), ("human", "kept after gpt")),         # 6 kept
+        _conv(("system", "Be brief."), ("human", "with system")),         # 7 kept
+        "not even a dict",                                                # 8 malformed
+    ]
+    path = _write_array(tmp_path / "sg.json", recs)
+    counts = prepare_data(model, tok, tmp_path / "out", start=0, stop=len(recs), max_prompt_tokens=300,
+                          max_new_tokens=4, batch_size=2, source_path=path, progress=False)
+    assert counts["kept"] == 3 and counts["complete"]
+    assert counts["skipped"] == {"unknown_role": 1, "empty_turn": 1, "no_human_turn": 1, "malformed": 2,
+                                 "prompt_too_long": 1}
+    loaded = load_prepared(tmp_path / "out")
+    assert [r["record_id"] for r in loaded] == [0, 6, 7]
+    assert "Be brief." in tok.decode(loaded[2]["input_ids"])
+    meta = read_meta(tmp_path / "out")
+    assert meta["counts"]["skipped"]["malformed"] == 2 and meta["status"] == "complete"
+    assert meta["chat_template"]["text"] == CHATML and len(meta["chat_template"]["sha256"]) == 64
+    assert meta["generation"]["max_new_tokens"] == 4 and meta["generation"]["do_sample"] is False
+    assert meta["source"]["record_range"] == [0, len(recs)]
+
+
+def test_record_layout_single_turn(tmp_path, tiny):
+    model, tok = tiny
+    path = _write_array(tmp_path / "sg.json", _good_records(3))
+    prepare_data(model, tok, tmp_path / "out", stop=3, max_new_tokens=5, batch_size=3, source_path=path,
+                 progress=False)
+    for rec in load_prepared(tmp_path / "out"):
+        prompt = tok.apply_chat_template([{"role": "user", "content": _good_records(3)[rec["record_id"]][
+            "conversations"][0]["value"]}], tokenize=False, add_generation_prompt=True)
+        prompt_ids = tok(prompt, add_special_tokens=False)["input_ids"]
+        (s, e), = rec["response_spans"]
+        assert rec["input_ids"][:s] == prompt_ids and e == len(rec["input_ids"])
+        assert rec["num_response_tokens"] == e - s == sum(response_mask(rec))
+        # the response is the tiny target's own greedy continuation of the prompt
+        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=5, do_sample=False, eos_token_id=EOS,
+                             pad_token_id=EOS)
+        assert rec["input_ids"][s:] == out[0, len(prompt_ids):len(prompt_ids) + (e - s)].tolist()
+        assert rec["truncated"] == (rec["input_ids"][-1] != EOS)
+
+
+def test_multi_turn_layout_matches_template(tmp_path):
+    tok = _tiny_tokenizer()
+    model = _tiny_llama(len(tok), always_eos=True)  # every response is just the end-of-turn token
+    recs = _good_records(2)
+    path = _write_array(tmp_path / "sg.json", recs)
+    prepare_data(model, tok, tmp_path / "out", stop=2, max_turns=2, max_new_tokens=4, batch_size=2,
+                 source_path=path, progress=False)
+    for rec in load_prepared(tmp_path / "out"):
+        turns = recs[rec["record_id"]]["conversations"]
+        msgs = [{"role": "user", "content": turns[0]["value"]}, {"role": "assistant", "content": ""},
+                {"role": "user", "content": turns[2]["value"]}, {"role": "assistant", "content": ""}]
+        text = tok.apply_chat_template(msgs, tokenize=False)
+        assert text.endswith("<|im_end|>\n")
+        assert rec["input_ids"] == tok(text[:-1], add_special_tokens=False)["input_ids"]
+        assert rec["num_turns"] == 2 and not rec["truncated"]
+        assert [rec["input_ids"][s:e] for s, e in rec["response_spans"]] == [[EOS], [EOS]]
+
+
+def _all_lines(out_dir):
+    lines = []
+    for shard in sorted(out_dir.glob("shard-*.jsonl")):
+        lines += [json.loads(x) for x in shard.read_text().splitlines()]
+    return lines
+
+
+@pytest.mark.parametrize("tear", ["partial_no_newline", "garbage_last_line"])
+def test_resume_after_interruption(tmp_path, tiny, tear):
+    model, tok = tiny
+    path = _write_array(tmp_path / "sg.json", _good_records(22) + [_conv(("bing", "x"))])
+    out = tmp_path / "out"
+    kw = dict(stop=23, max_new_tokens=3, batch_size=4, sort_window=1, shard_size=5, source_path=path,
+              progress=False)
+    first = prepare_data(model, tok, out, max_batches=2, **kw)
+    assert first["kept"] == 8 and not first["complete"]
+    assert read_meta(out)["status"] == "incomplete"
+    shards = sorted(out.glob("shard-*.jsonl"))
+    assert [len(s.read_text().splitlines()) for s in shards] == [5, 3]  # a batch split over two shards
+    # simulate a kill -9 in the middle of writing the next batch
+    good_size = shards[-1].stat().st_size
+    torn = '{"record_id": 8, "input_ids": [1, 2, 3], "resp' + ("" if tear == "partial_no_newline" else "\n")
+    with open(shards[-1], "a") as f:
+        f.write(torn)
+    with pytest.raises(PreparedDataError, match=r"shard-00001\.jsonl, line 4"):
+        load_prepared(out, allow_torn_tail=False)
+    assert len(load_prepared(out)) == 8  # readers tolerate the torn tail of a running / killed job
+
+    second = prepare_data(model, tok, out, **kw)
+    assert second["complete"] and second["kept"] == 22 and second["skipped"] == {"unknown_role": 1}
+    lines = _all_lines(out)
+    ids = [r["record_id"] for r in lines]
+    assert sorted(ids) == list(range(22)), "a record was lost or duplicated"
+    assert shards[-1].read_text().count("\n") == 5 and shards[-1].stat().st_size > good_size
+    assert [r["record_id"] for r in load_prepared(out)] == list(range(22))
+    meta = read_meta(out)
+    assert meta["counts"]["kept"] == 22 and len(meta["runs"]) == 2 and meta["runs"][1]["resumed_with"] == 8
+
+    third = prepare_data(model, tok, out, **kw)  # nothing left to do: no duplicates appended
+    assert third["generated_tokens"] == 0 and len(_all_lines(out)) == 22
+
+
+def test_corrupt_middle_line_is_an_error(tmp_path, tiny):
+    model, tok = tiny
+    path = _write_array(tmp_path / "sg.json", _good_records(6))
+    out = tmp_path / "out"
+    prepare_data(model, tok, out, stop=6, max_new_tokens=2, batch_size=3, source_path=path, progress=False)
+    shard = out / "shard-00000.jsonl"
+    lines = shard.read_text().splitlines(keepends=True)
+    lines[1] = '{"record_id": 1, "input_ids": "oops", "response_spans": [], "num_response_tokens": 0}\n'
+    shard.write_text("".join(lines))
+    with pytest.raises(PreparedDataError, match=r"shard-00000\.jsonl, line 2: input_ids .*delete shard-00000"):
+        load_prepared(out)
+    with pytest.raises(PreparedDataError, match="line 2"):
+        prepare_data(model, tok, out, stop=6, max_new_tokens=2, batch_size=3, source_path=path, progress=False)
+    lines[1] = lines[0]  # a duplicated record
+    shard.write_text("".join(lines))
+    with pytest.raises(PreparedDataError, match="already in"):
+        load_prepared(out)
+
+
+def test_resume_refuses_other_settings(tmp_path, tiny):
+    model, tok = tiny
+    path = _write_array(tmp_path / "sg.json", _good_records(2))
+    prepare_data(model, tok, tmp_path / "out", stop=2, max_new_tokens=2, source_path=path, progress=False)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        prepare_data(model, tok, tmp_path / "out", stop=2, max_new_tokens=3, source_path=path, progress=False)
+
+
+def test_load_prepared_as_dataset(tmp_path, tiny):
+    model, tok = tiny
+    path = _write_array(tmp_path / "sg.json", _good_records(3))
+    prepare_data(model, tok, tmp_path / "out", stop=3, max_new_tokens=2, source_path=path, progress=False)
+    ds = load_prepared(tmp_path / "out", as_dataset=True)
+    assert len(ds) == 3 and ds[0]["record_id"] == 0 and isinstance(ds[0]["input_ids"], list)
+    with pytest.raises(FileNotFoundError, match="meta.json"):
+        load_prepared(tmp_path / "nothing")
+
+
+def test_second_writer_is_refused(tmp_path, tiny):
+    from dflash2_hf.data.regenerate import _DirLock
+
+    model, tok = tiny
+    path = _write_array(tmp_path / "sg.json", _good_records(2))
+    (tmp_path / "out").mkdir()
+    with _DirLock(tmp_path / "out"):  # as if another prepare-data process were running on the folder
+        with pytest.raises(RuntimeError, match="another prepare-data process"):
+            prepare_data(model, tok, tmp_path / "out", stop=2, max_new_tokens=2, source_path=path, progress=False)
+    assert prepare_data(model, tok, tmp_path / "out", stop=2, max_new_tokens=2, source_path=path,
+                        progress=False)["kept"] == 2
