@@ -288,3 +288,5 @@ def test_bf16_drafter_on_fp32_target_stays_identical(targets):
         out = target.generate(ids, assistant_model=drafter, max_new_tokens=20, do_sample=False)
         assert torch.equal(ref, out)
     assert drafter._lm_head_cast[1].dtype == torch.bfloat16
+    builtin = target.generate(ids, assistant_model=drafter, max_new_tokens=20, do_sample=False, speculation_type="dflash")
+    assert torch.equal(builtin, ref)

@@ -288,7 +288,8 @@ class DFlash2DraftModel(DFlash2PreTrainedModel):
                 crops the ``Q`` block entries after the pass).
 
         Returns:
-            :class:`DFlash2DrafterOutput` with ``last_hidden_state`` ``(batch, Q, H)`` (after the final norm).
+            :class:`DFlash2DrafterOutput` with ``last_hidden_state`` ``(batch, Q, H)`` (after the final norm), in
+            ``noise_embeds``' dtype (the drafter itself may run in a lower precision).
 
         Raises:
             ValueError: ``Q`` is not a multiple of ``block_size`` while the convolution is on, or the feature width
@@ -319,7 +320,8 @@ class DFlash2DraftModel(DFlash2PreTrainedModel):
             attention_mask = None if bool(attention_mask.all()) else attention_mask[:, None, None, :].bool()
         for layer in self.layers:
             hidden = layer(hidden, context, cos, sin, attention_mask, cache)
-        return DFlash2DrafterOutput(last_hidden_state=self.norm(hidden), cache=cache)
+        # hand back the caller's dtype: transformers' built-in DFlash path feeds it straight into the target LM head
+        return DFlash2DrafterOutput(last_hidden_state=self.norm(hidden).to(noise_embeds.dtype), cache=cache)
 
     # ------------------------------------------------------------------ target-facing helpers
     def embed_block(self, input_ids: torch.LongTensor, embedding_weight: torch.Tensor) -> torch.Tensor:

@@ -43,6 +43,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="skip prompts longer than this after the chat template (default 1024; 0 = no limit)")
     parser.add_argument("--dtype", default="fp32", choices=sorted(_DTYPES),
                         help="target and drafter dtype (default fp32; greedy identity is only guaranteed in fp32)")
+    parser.add_argument("--drafter-dtype", default=None, choices=sorted(_DTYPES),
+                        help="drafter dtype (default: --dtype). bf16 drafting on an fp32 target stays lossless "
+                             "(only the target's verification decides) and is cheaper on CPUs with bf16 units")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (default 1.0 = off)")
     parser.add_argument("--top-k", type=int, default=0, help="top-k sampling filter (default 0 = off)")
@@ -86,10 +89,12 @@ def run(args: argparse.Namespace) -> int:
     torch.manual_seed(args.seed)
     target, tokenizer = load_target(args.target, dtype=dtype, device=args.device)
     needs_drafter = any(m in ("builtin_dflash", "dflash2_top1", "dflash2") for m in settings.methods)
-    drafter = load_drafter(args.drafter, target, dtype=dtype) if needs_drafter else None
+    drafter_dtype = getattr(torch, _DTYPES[args.drafter_dtype]) if args.drafter_dtype else dtype
+    drafter = load_drafter(args.drafter, target, dtype=drafter_dtype) if needs_drafter else None
     prompts, skipped = load_bench_prompts(_csv(args.datasets), tokenizer, args.num_prompts,
                                           max_prompt_tokens=args.max_prompt_tokens or None, chat=not args.raw_prompts)
     meta = {"target": args.target, "drafter": args.drafter, "dtype": args.dtype,
+            "drafter_dtype": args.drafter_dtype or args.dtype,
             "datasets": _csv(args.datasets), "skipped_prompts_too_long": skipped,
             "max_prompt_tokens": args.max_prompt_tokens or None, "raw_prompts": args.raw_prompts,
             "command": "dflash2 bench " + " ".join(sys.argv[1:]) if sys.argv else None}

@@ -19,19 +19,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--datasets", default="sharegpt,humaneval")
     parser.add_argument("--out", default="runs/main", help="where results.json / results.md / plots go")
+    parser.add_argument("--drafter-dtype", default="bf16", choices=("bf16", "fp32"),
+                        help="drafter precision (default bf16: cheaper drafting; the fp32 target's verification "
+                             "keeps the output identical)")
+    parser.add_argument("--num-threads", type=int, default=None,
+                        help="torch CPU threads (use 1 on a busy machine: oversubscribed cores make timings noisy)")
 
 
 def run(args: argparse.Namespace) -> int:
     from ..bench import BenchSettings, load_bench_prompts, load_drafter, run_benchmark
     from ..targets import load_target
 
+    import torch
+
+    if args.num_threads:
+        torch.set_num_threads(args.num_threads)
     target, tokenizer = load_target(args.target)
-    drafter = load_drafter(args.drafter, target)
+    drafter = load_drafter(args.drafter, target, dtype=torch.bfloat16 if args.drafter_dtype == "bf16" else torch.float32)
     drafter.check_target(target)
     prompts, _ = load_bench_prompts(args.datasets.split(","), tokenizer, num_prompts=args.num_prompts)
     settings = BenchSettings(max_new_tokens=args.max_new_tokens, methods=("plain", "dflash2"))
     results = run_benchmark(target, drafter, prompts, settings, out_dir=args.out,
-                            meta={"target": args.target, "drafter": args.drafter})
+                            meta={"target": args.target, "drafter": args.drafter,
+                                  "drafter_dtype": args.drafter_dtype})
 
     texts = {}
     for rec in results["records"]:
