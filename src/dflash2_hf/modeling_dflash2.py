@@ -186,7 +186,7 @@ class CandidateSelector(nn.Module):
         Returns:
             ``(..., P, a, k)`` float scores (dtype of ``hidden``).
         """
-        g = self.hidden_projection(hidden)
+        g = self.hidden_projection(hidden.to(self.hidden_projection.weight.dtype))
         fused = self.predecessor_codebook[predecessor_ids] * g.unsqueeze(-2)
         successors = self.successor_codebook[candidate_ids]
         return torch.einsum("...ar,...kr->...ak", fused, successors) + candidate_logits.unsqueeze(-2).to(fused.dtype)
