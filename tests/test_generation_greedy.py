@@ -290,3 +290,37 @@ def test_bf16_drafter_on_fp32_target_stays_identical(targets):
     assert drafter._lm_head_cast[1].dtype == torch.bfloat16
     builtin = target.generate(ids, assistant_model=drafter, max_new_tokens=20, do_sample=False, speculation_type="dflash")
     assert torch.equal(builtin, ref)
+
+
+def test_draft_vocabulary_only_drafts_listed_tokens(targets, tmp_path, monkeypatch):
+    """A draft vocabulary restricts proposals (cheaper LM head); output stays identical; it survives save/load."""
+    from dflash2_hf import DFlash2DraftModel
+
+    target = targets["qwen3"]
+    drafter = randomize_selector(make_drafter(target))
+    allowed = torch.arange(6, 96, 2)  # even ids only
+    drafter.set_draft_vocab(allowed)
+    seen = []
+    original = cg.DFlash2CandidateGenerator.propose
+
+    def spy(gen, input_ids, n):
+        proposal = original(gen, input_ids, n)
+        seen.append(proposal.tokens)
+        return proposal
+
+    monkeypatch.setattr(cg.DFlash2CandidateGenerator, "propose", spy)
+    for use_selector in (True, False):
+        drafter.use_selector = use_selector
+        ids = _prompt(8, 5)
+        ref = target.generate(ids, max_new_tokens=20, do_sample=False)
+        assert torch.equal(ref, target.generate(ids, assistant_model=drafter, max_new_tokens=20, do_sample=False))
+        sampled = target.generate(ids, assistant_model=drafter, max_new_tokens=10, do_sample=True)
+        assert sampled.shape[1] == ids.shape[1] + 10
+    drafter.use_selector = True
+    proposed = torch.cat([t.flatten() for t in seen])
+    assert torch.isin(proposed, allowed).all() and proposed.numel() > 20
+    drafter.save_pretrained(tmp_path)
+    loaded = DFlash2DraftModel.from_pretrained(tmp_path)
+    assert torch.equal(loaded.draft_vocab_ids, allowed) and loaded.config.draft_vocab_size == allowed.numel()
+    with pytest.raises(ValueError, match="unique ids"):
+        drafter.set_draft_vocab([1, 1, 2])

@@ -79,6 +79,8 @@ class DFlash2Config(PreTrainedConfig):
         output_multiplier (`float`): logits = LM head(h) * output_multiplier.
         final_logit_softcapping (`float`, *optional*): if set, logits = c * tanh(logits / c).
         input_embedding_scale (`float`): multiplies the raw target embedding lookup (e.g. Gemma's sqrt(H_t)).
+        draft_vocab_size (`int`, *optional*): size of the draft vocabulary (see
+            :meth:`~dflash2_hf.DFlash2DraftModel.set_draft_vocab`); None = the target's whole vocabulary.
         Other fields (heads, rope, norms, MLP width) follow ``transformers``' Qwen3 config.
     """
 
@@ -122,6 +124,10 @@ class DFlash2Config(PreTrainedConfig):
     use_candidate_selector: bool = True
     selector_top_k: int = 16
     selector_rank: int = 256
+
+    # Draft vocabulary (inference speed): drafts come from these `draft_vocab_size` most useful target tokens only
+    # (ids stored as the `draft_vocab_ids` buffer); None = the whole vocabulary. Verification is unaffected.
+    draft_vocab_size: int | None = None
 
     # Output / input scaling to match targets that scale embeddings or soft-cap logits.
     output_multiplier: float = 1.0

@@ -251,6 +251,10 @@ class DFlash2DraftModel(DFlash2PreTrainedModel):
         self.norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = Qwen3RotaryEmbedding(config)
         self.candidate_selector = CandidateSelector(config) if config.use_candidate_selector else None
+        if config.draft_vocab_size:
+            self.register_buffer("draft_vocab_ids", torch.arange(config.draft_vocab_size), persistent=True)
+        else:
+            self.draft_vocab_ids = None
         self.generation_stats = None
         self.post_init()
 
@@ -350,6 +354,28 @@ class DFlash2DraftModel(DFlash2PreTrainedModel):
         if cap:
             logits = cap * torch.tanh(logits / cap)
         return logits
+
+    def set_draft_vocab(self, token_ids: torch.LongTensor | list[int]) -> None:
+        """Restricts drafting to ``token_ids`` (e.g. the most frequent response tokens of the training data).
+
+        Drafting then applies only those rows of the target LM head (``(N, H)`` instead of ``(V, H)``: on CPUs the
+        LM head dominates a drafter pass). Output stays lossless: the target verifies as always; a token outside the
+        list simply cannot be drafted. Saved with the drafter (``draft_vocab_ids`` buffer).
+
+        Raises:
+            ValueError: ids outside the target vocabulary, duplicates, or an empty list.
+        """
+        ids = torch.as_tensor(token_ids, dtype=torch.long).flatten()
+        if ids.numel() == 0 or ids.min() < 0 or ids.max() >= self.config.vocab_size or ids.unique().numel() != ids.numel():
+            raise ValueError(
+                f"draft vocabulary must be non-empty, unique ids in [0, {self.config.vocab_size}); got {ids.numel()} ids."
+            )
+        self.config.draft_vocab_size = int(ids.numel())
+        if "draft_vocab_ids" in self._buffers:
+            self._buffers["draft_vocab_ids"] = ids.to(self.device)
+        else:
+            del self.draft_vocab_ids  # the plain None attribute of a drafter without a draft vocabulary
+            self.register_buffer("draft_vocab_ids", ids.to(self.device), persistent=True)
 
     def check_target(self, target: PreTrainedModel) -> None:
         """Raises :class:`DrafterTargetMismatchError` if this drafter was built for another target.

@@ -1,0 +1,42 @@
+"""Choosing a drafter's draft vocabulary from training data (see ``DFlash2DraftModel.set_draft_vocab``)."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+
+
+def draft_vocab_from_records(records, size: int, always: list[int] | None = None) -> tuple[torch.LongTensor, float]:
+    """The ``size`` most frequent RESPONSE tokens of target-regenerated records (``input_ids`` + ``response_spans``).
+
+    Args:
+        records: prepared records (:func:`dflash2_hf.data.load_prepared`).
+        size: draft vocabulary size.
+        always: ids to include whatever their count (e.g. EOS / end-of-turn tokens).
+
+    Returns:
+        ``(ids (size,) long, coverage)``: coverage = share of response tokens of ``records`` inside the list (the
+        ceiling on per-position acceptance the restriction imposes on this data).
+
+    Raises:
+        ValueError: no response tokens in ``records``, or ``size`` < len(always).
+    """
+    counts: Counter = Counter()
+    for rec in records:
+        ids = rec["input_ids"]
+        for start, end in rec["response_spans"]:
+            counts.update(ids[start:end])
+    total = sum(counts.values())
+    if total == 0:
+        raise ValueError("The records hold no response tokens to choose a draft vocabulary from.")
+    chosen = list(dict.fromkeys(always or []))
+    if size < len(chosen):
+        raise ValueError(f"size={size} is smaller than the {len(chosen)} ids that must always be included.")
+    for token, _ in counts.most_common():
+        if len(chosen) >= size:
+            break
+        if token not in chosen:
+            chosen.append(token)
+    coverage = sum(counts[t] for t in chosen) / total
+    return torch.tensor(sorted(chosen), dtype=torch.long), coverage
