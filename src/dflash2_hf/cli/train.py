@@ -1,0 +1,304 @@
+"""Train a DFlash2 drafter on target-regenerated data (target features cached, resumable).
+
+Steps: load the target -> build (or resume) the drafter -> compute the target features the cache lacks (stored
+under --features-dir, reused by every later run) -> train with transformers.Trainer (checkpoints in --output,
+resumable with --resume) -> save the final drafter to --output with save_pretrained (safetensors).
+
+Example:
+  dflash2 train --target smollm2 --data data/smollm2-sharegpt --output runs/smollm2-v1 \\
+      --num-layers 5 --block-size 16 --max-steps 1000 --threads 1
+  dflash2 train ... --resume            # continue from the last checkpoint in --output
+  dflash2 train ... --features-only     # only fill the feature cache
+  dflash2 train ... --follow-data       # keep adding records a running prepare-data job writes
+
+Logged every --logging-steps: loss, ce_loss, selector_loss, acc_slot_j (top-1 accuracy of draft slot j),
+acc_top1, acc_selector, topk_recall, tau_top1 / tau_selector (teacher-forced greedy acceptance estimate on the
+training blocks) and pred_tokens_per_s (labelled slots per wall second, feature refreshes included).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+
+logger = logging.getLogger("dflash2.train")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("data and target")
+    g.add_argument("--target", default="smollm2", help="target alias (smollm2, gemma3-270m) or a transformers folder")
+    g.add_argument("--data", required=True, help="prepared data folder (dflash2 prepare-data --out)")
+    g.add_argument("--features-dir", default=None,
+                   help="feature cache root (default: $DFLASH2_CACHE/features/<name of DATA>, i.e. "
+                        "~/.cache/dflash2_hf/features/...; outside DATA so that regenerating the data folder does not "
+                        "delete it; features of records whose tokens changed are recomputed)")
+    g.add_argument("--feature-dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="dtype of the target forward that computes the features (stored as bfloat16 either way; "
+                        "default float32 = serving dtype, as fast as bf16 on these CPUs with one thread)")
+    g.add_argument("--max-length", type=int, default=1024, help="longest context per sequence (tokens)")
+    g.add_argument("--max-records", type=int, default=None, help="use the first N records (by record_id)")
+    g.add_argument("--feature-time-budget", type=float, default=None,
+                   help="stop computing features after this many minutes and train on what is cached")
+    g.add_argument("--features-only", action="store_true", help="fill the feature cache and exit")
+    g.add_argument("--follow-data", action="store_true",
+                   help="keep picking up records a still-running prepare-data job adds (at every epoch start and "
+                        "every --follow-every steps); their features are computed in this process")
+    g.add_argument("--follow-every", type=int, default=None, help="with --follow-data: also refresh every N steps")
+    g.add_argument("--eval-data", default=None,
+                   help="held-out prepared data folder (e.g. regenerated dev records 16000-17000): teacher-forced "
+                        "per-slot accuracy and tau estimates on it are logged as eval_* every --eval-steps")
+    g.add_argument("--eval-steps", type=int, default=200)
+    g.add_argument("--eval-max-records", type=int, default=100, help="evaluate on the first N held-out records")
+    g.add_argument("--eval-only", action="store_true",
+                   help="only evaluate (needs --eval-data) the drafter given by --init, or by --resume (last "
+                        "checkpoint in --output); prints the metrics as JSON")
+
+    g = parser.add_argument_group("drafter")
+    g.add_argument("--output", required=True, help="run folder: checkpoints and the final drafter")
+    g.add_argument("--init", default=None, help="start from this drafter (folder or Hub id) instead of a fresh one")
+    g.add_argument("--num-layers", type=int, default=5, help="drafter decoder layers (fresh drafter)")
+    g.add_argument("--block-size", type=int, default=16, help="B: anchor + B-1 draft slots (fresh drafter)")
+    g.add_argument("--target-layer-ids", default=None, help="comma-separated target layers (default: spread)")
+    g.add_argument("--mask-token-id", type=int, default=None, help="mask token id (default: pad / unk / last id)")
+    g.add_argument("--selector-top-k", type=int, default=None)
+    g.add_argument("--selector-rank", type=int, default=None)
+    g.add_argument("--no-conv", action="store_true", help="fresh drafter without the local convolutions")
+    g.add_argument("--no-selector", action="store_true", help="fresh drafter without the candidate selector")
+    g.add_argument("--init-layers-from-target", choices=["first", "last", "spread"], default=None,
+                   help="fresh drafter: copy these target decoder layers into the drafter layers")
+    g.add_argument("--init-norm", type=float, default=None,
+                   help="fresh drafter: initial value of the final norm weight (e.g. 0.2: small initial logits, "
+                        "no loss spike at the start)")
+    g.add_argument("--init-norm-from-target", action="store_true",
+                   help="fresh drafter: copy the target's final norm weight into the drafter's final norm")
+    # LoRA hook: another module adds `--lora ...` options through `add_lora_arguments` / `wrap_model` below.
+
+    g = parser.add_argument_group("training")
+    g.add_argument("--max-steps", type=int, default=None, help="optimizer steps (overrides --epochs)")
+    g.add_argument("--epochs", type=float, default=1.0, help="passes over the cached sequences")
+    g.add_argument("--num-blocks", type=int, default=32, help="blocks (anchors) sampled per sequence per pass")
+    g.add_argument("--batch-size", type=int, default=1, help="sequences per step")
+    g.add_argument("--grad-accum", type=int, default=1)
+    g.add_argument("--lr", type=float, default=6e-4)
+    g.add_argument("--warmup", type=float, default=0.04, help="warm-up: ratio of the steps (<1) or a step count")
+    g.add_argument("--weight-decay", type=float, default=0.0)
+    g.add_argument("--max-grad-norm", type=float, default=1.0)
+    g.add_argument("--gamma", type=float, default=None, help="slot weight decay (default: 7@16, 5@10, 4@8)")
+    g.add_argument("--selector-weight", type=float, default=1.0, help="selector loss weight (0 = off)")
+    g.add_argument("--selector-no-detach", action="store_true", help="let the selector loss reach the drafter")
+    g.add_argument("--bf16", action="store_true", help="bfloat16 autocast (slower than fp32 on these CPUs)")
+    g.add_argument("--save-steps", type=int, default=100)
+    g.add_argument("--save-total-limit", type=int, default=3)
+    g.add_argument("--logging-steps", type=int, default=10)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    g.add_argument("--resume", action="store_true", help="resume from the last checkpoint in --output")
+    g.add_argument("--no-progress", action="store_true", help="no tqdm bars (default when not on a terminal)")
+    add_lora_arguments(parser)
+
+
+def add_lora_arguments(parser: argparse.ArgumentParser) -> None:
+    """Hook for LoRA options (none yet). Add ``--lora`` etc. here and implement them in :func:`wrap_model`."""
+
+
+def wrap_model(drafter, args: argparse.Namespace):
+    """Hook: returns the module the Trainer optimizes. Today the drafter itself (every drafter weight trains).
+
+    A LoRA option plugs in here (e.g. ``peft.get_peft_model(drafter, LoraConfig(...))``); the trainer, the
+    losses and checkpointing already accept a PEFT-wrapped drafter (see ``training.trainer.unwrap_drafter``).
+    """
+    return drafter
+
+
+def default_features_root(data_dir: str) -> str:
+    """``$DFLASH2_CACHE/features/<basename of data_dir>`` (see ``dflash2_hf.targets.cache_dir``)."""
+    from ..targets import cache_dir
+
+    name = os.path.basename(os.path.normpath(os.path.abspath(data_dir))) or "data"
+    return str(cache_dir() / "features" / name)
+
+
+def _last_checkpoint(output: str) -> str | None:
+    from transformers.trainer_utils import get_last_checkpoint
+
+    return get_last_checkpoint(output) if os.path.isdir(output) else None
+
+
+def build_drafter(args: argparse.Namespace, target, resume_from: str | None):
+    """The drafter to train: the resumed checkpoint's, ``--init``'s, or a fresh one sized for the target."""
+    import torch
+
+    from .. import DFlash2DraftModel
+
+    if resume_from:
+        drafter = DFlash2DraftModel.from_pretrained(resume_from)
+    elif args.init:
+        drafter = DFlash2DraftModel.from_pretrained(args.init)
+    else:
+        overrides = dict(num_hidden_layers=args.num_layers, block_size=args.block_size)
+        if args.target_layer_ids:
+            overrides["target_layer_ids"] = [int(x) for x in args.target_layer_ids.split(",")]
+        if args.mask_token_id is not None:
+            overrides["mask_token_id"] = args.mask_token_id
+        if args.selector_top_k is not None:
+            overrides["selector_top_k"] = args.selector_top_k
+        if args.selector_rank is not None:
+            overrides["selector_rank"] = args.selector_rank
+        if args.no_conv:
+            overrides["use_local_conv"] = False
+        if args.no_selector:
+            overrides["use_candidate_selector"] = False
+        drafter = DFlash2DraftModel.from_target(target, **overrides)
+        from ..training import initialize_from_target
+
+        initialize_from_target(drafter, target, layers=args.init_layers_from_target,
+                               final_norm=args.init_norm_from_target)
+        if args.init_norm is not None:
+            with torch.no_grad():
+                drafter.norm.weight.fill_(args.init_norm)
+    drafter.check_target(target)
+    return drafter.float().train()
+
+
+def _eval_only(args, target, drafter, progress) -> int:
+    import torch
+
+    from ..training import BlockCollator, FeatureCache, FeatureDataset, evaluate_blocks, freeze_target, \
+        load_training_records
+
+    if not args.eval_data:
+        logger.error("--eval-only needs --eval-data")
+        return 2
+    cfg = drafter.config
+    recs = load_training_records(args.eval_data, max_records=args.eval_max_records, train_only=False)
+    cache = FeatureCache(args.features_dir or default_features_root(args.eval_data), args.target, cfg.target_layer_ids)
+    cache.build(target, recs, max_length=args.max_length, compute_dtype=getattr(torch, args.feature_dtype),
+                progress=progress)
+    dataset = FeatureDataset(recs, cache, max_length=args.max_length)
+    emb, head = freeze_target(target)
+    collator = BlockCollator(block_size=cfg.block_size, mask_token_id=cfg.mask_token_id, num_blocks=args.num_blocks,
+                             max_length=args.max_length)
+    metrics = evaluate_blocks(drafter, emb, head, dataset, collator, gamma=args.gamma)
+    print(json.dumps(metrics, indent=2))
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from ..targets import load_target
+    from ..training import (
+        BlockCollator,
+        DFlash2Trainer,
+        FeatureCache,
+        FeatureDataset,
+        FollowDataCallback,
+        default_training_arguments,
+        load_training_records,
+        write_summary,
+    )
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    progress = not args.no_progress and sys.stderr.isatty()
+    t_start = time.time()
+
+    resume_from = _last_checkpoint(args.output) if args.resume else None
+    if args.resume and resume_from is None:
+        logger.warning("--resume: no checkpoint in %s yet, starting fresh", args.output)
+    target, _tokenizer = load_target(args.target, dtype=torch.float32)
+    drafter = build_drafter(args, target, resume_from)
+    cfg = drafter.config
+    n_params = sum(p.numel() for p in drafter.parameters())
+    logger.info("drafter: %d layers, B=%d, target layers %s, %.1fM trainable parameters%s", cfg.num_hidden_layers,
+                cfg.block_size, cfg.target_layer_ids, n_params / 1e6,
+                f" (resumed from {resume_from})" if resume_from else "")
+
+    if args.eval_only:
+        return _eval_only(args, target, drafter, progress)
+
+    # ---- target features (computed once, reused by every run)
+    records = load_training_records(args.data, max_records=args.max_records)
+    feat_root = args.features_dir or default_features_root(args.data)
+    cache = FeatureCache(feat_root, args.target, cfg.target_layer_ids)
+    budget = None if args.feature_time_budget is None else args.feature_time_budget * 60
+    stats = cache.build(target, records, max_length=args.max_length, compute_dtype=getattr(torch, args.feature_dtype),
+                        progress=progress, time_budget_s=budget)
+    logger.info("features: %d records computed (%d tokens, %.0f tokens/s), %d cached in %s", stats["computed"],
+                stats["tokens"], stats["tokens_per_s"], stats["cached"], cache.dir)
+    if args.features_only:
+        return 0
+    dataset = FeatureDataset(records, cache, max_length=args.max_length)
+    if len(dataset) == 0:
+        logger.error("no training sequence has cached features: nothing to train on")
+        return 1
+    logger.info("training data: %d sequences, %d context tokens, %d response tokens (%d records not cached)",
+                len(dataset), dataset.num_tokens(), dataset.num_response_tokens(), dataset.skipped)
+
+    eval_dataset = None
+    if args.eval_data:
+        eval_records = load_training_records(args.eval_data, max_records=args.eval_max_records, train_only=False)
+        train_ids = {r["record_id"] for r in records}
+        if any(r["record_id"] in train_ids for r in eval_records):
+            logger.error("--eval-data shares record ids with --data: evaluation must use held-out records")
+            return 1
+        eval_cache = FeatureCache(default_features_root(args.eval_data) if not args.features_dir else
+                                  os.path.join(args.features_dir, "eval"), args.target, cfg.target_layer_ids)
+        eval_cache.build(target, eval_records, max_length=args.max_length,
+                         compute_dtype=getattr(torch, args.feature_dtype), progress=progress)
+        eval_dataset = FeatureDataset(eval_records, eval_cache, max_length=args.max_length)
+        logger.info("evaluation data: %d held-out sequences", len(eval_dataset))
+
+    collator = BlockCollator(block_size=cfg.block_size, mask_token_id=cfg.mask_token_id, num_blocks=args.num_blocks,
+                             max_length=args.max_length, seed=args.seed)
+    model = wrap_model(drafter, args)
+    overrides = dict(
+        learning_rate=args.lr,
+        warmup_steps=args.warmup,
+        weight_decay=args.weight_decay,
+        max_grad_norm=args.max_grad_norm,
+        per_device_train_batch_size=args.batch_size,
+        gradient_accumulation_steps=args.grad_accum,
+        num_train_epochs=args.epochs,
+        max_steps=args.max_steps if args.max_steps is not None else -1,
+        logging_steps=args.logging_steps,
+        logging_first_step=True,
+        save_steps=args.save_steps,
+        save_total_limit=args.save_total_limit,
+        bf16=args.bf16,
+        seed=args.seed,
+        disable_tqdm=not progress,
+        loss_gamma=args.gamma,
+        selector_loss_weight=args.selector_weight,
+        selector_detach=not args.selector_no_detach,
+        eval_strategy="steps" if eval_dataset is not None else "no",
+        eval_steps=args.eval_steps if eval_dataset is not None else None,
+    )
+    targs = default_training_arguments(args.output, **overrides)
+    trainer = DFlash2Trainer(model=model, args=targs, target=target, train_dataset=dataset, eval_dataset=eval_dataset,
+                             data_collator=collator)
+    if args.follow_data:
+        trainer.add_callback(FollowDataCallback(
+            dataset, cache, target,
+            load_records=lambda: load_training_records(args.data, max_records=args.max_records),
+            max_length=args.max_length, every_steps=args.follow_every, time_budget_s=budget,
+            compute_dtype=getattr(torch, args.feature_dtype)))
+    os.makedirs(args.output, exist_ok=True)
+    with open(os.path.join(args.output, "train_command.json"), "w") as f:
+        json.dump({"argv": sys.argv, "args": vars(args), "threads": torch.get_num_threads()}, f, indent=2,
+                  default=str)
+    result = trainer.train(resume_from_checkpoint=resume_from)
+    trainer.save_model(args.output)
+    final_eval = trainer.evaluate() if eval_dataset is not None else {}
+    path = write_summary(args.output, trainer, {
+        "train_runtime_s": result.metrics.get("train_runtime"), "wall_s": round(time.time() - t_start, 1),
+        "sequences": len(dataset), "feature_cache": str(cache.dir), "resumed_from": resume_from,
+        "final_eval": final_eval,
+    })
+    logger.info("saved the drafter to %s (summary: %s)", args.output, path)
+    return 0

@@ -1,0 +1,194 @@
+"""Block sampling and batching for drafter training (DESIGN.md section 4, "Blocks").
+
+Per sequence, :class:`BlockCollator` samples ``N`` random anchor positions inside the response tokens, afresh each
+time it sees the sequence (so every epoch trains other blocks). A block at anchor ``a`` is
+``[x_a, MASK x (B-1)]`` at positions ``a .. a+B-1``; slot ``j`` predicts ``x_{a+j}``. A block attends to the
+target context features of positions ``< a`` and bidirectionally to itself, never to other blocks, so ``N``
+blocks train in one drafter pass with a block mask and each gets the hidden states a single-block inference call
+with context ``[0, a)`` would give.
+
+Anchor rule: ``a`` is a response token whose successor ``a+1`` is also a response token (a block whose first draft
+slot has no label teaches nothing). Labels: slot 0 is never a label; slot ``j >= 1`` is labelled ``x_{a+j}`` while
+``a+j`` is inside the sequence and every position ``a+1 .. a+j`` is a response token, i.e. the labels stop at the
+first non-response position (the end of a turn or of the sequence): serving stops at the end-of-turn token, so
+nothing after it is ever accepted.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+import torch
+
+IGNORE_INDEX = -100
+
+
+def valid_anchors(response_mask: torch.Tensor) -> torch.Tensor:
+    """Positions that may anchor a block.
+
+    Args:
+        response_mask: ``(T,)`` bool/0-1, True on response tokens.
+
+    Returns:
+        ``(A,)`` int64 positions ``a`` with ``response_mask[a]`` and ``response_mask[a + 1]`` (ascending).
+    """
+    m = response_mask.bool()
+    if m.numel() < 2:
+        return torch.zeros(0, dtype=torch.long)
+    return torch.nonzero(m[:-1] & m[1:], as_tuple=False).flatten()
+
+
+def sample_anchors(response_mask: torch.Tensor, num_blocks: int, rng: random.Random) -> torch.Tensor:
+    """Up to ``num_blocks`` distinct anchors drawn uniformly among :func:`valid_anchors`, sorted ascending.
+
+    Returns an empty ``(0,)`` tensor when the sequence has no valid anchor.
+    """
+    cand = valid_anchors(response_mask).tolist()
+    if len(cand) > num_blocks:
+        cand = sorted(rng.sample(cand, num_blocks))
+    return torch.tensor(cand, dtype=torch.long)
+
+
+def block_labels(input_ids: torch.Tensor, response_mask: torch.Tensor, anchors: torch.Tensor, block_size: int):
+    """Labels and true predecessors of the blocks of one sequence.
+
+    Args:
+        input_ids: ``(T,)`` int64.
+        response_mask: ``(T,)`` bool.
+        anchors: ``(N,)`` int64 anchor positions.
+        block_size: ``B``.
+
+    Returns:
+        ``(labels, predecessors)``, each ``(N, B)`` int64: ``labels[n, j] = x_{a_n + j}`` for valid slots ``j >= 1``
+        (see the module docstring), else ``-100``; ``predecessors[n, j] = x_{a_n + j - 1}`` (the anchor for
+        ``j = 1``) where the label is valid, else 0.
+    """
+    T = input_ids.shape[0]
+    n = anchors.shape[0]
+    offs = torch.arange(block_size)
+    pos = anchors[:, None] + offs[None, :]  # (N, B)
+    inside = pos < T
+    pos_c = pos.clamp(max=T - 1)
+    resp = response_mask.bool()[pos_c] & inside
+    resp[:, 0] = True  # slot 0 (the anchor) does not break the chain; it is never a label itself
+    ok = torch.cumprod(resp.long(), dim=1).bool()
+    ok[:, 0] = False
+    labels = torch.where(ok, input_ids[pos_c], torch.full((n, block_size), IGNORE_INDEX, dtype=torch.long))
+    prev = input_ids[(pos_c - 1).clamp(min=0)]
+    predecessors = torch.where(ok, prev, torch.zeros_like(prev))
+    return labels, predecessors
+
+
+@dataclass
+class BlockCollator:
+    """Turns dataset items into one multi-block drafter training batch.
+
+    Each item is a dict with ``input_ids`` ``(T,)`` int64, ``response_mask`` ``(T,)`` bool and
+    ``context_hidden_states`` ``(T, n*H_t)`` (the cached target features, any float dtype; at least ``T`` rows).
+    Items longer than ``max_length`` are cut to it.
+
+    Output batch (``b`` items, ``T`` = longest item, ``N`` = most blocks of an item, ``Q = N * B``):
+
+    * ``block_input_ids`` ``(b, Q)`` int64: per block ``[x_a, MASK, ..., MASK]`` (padding blocks: all MASK);
+    * ``context_hidden_states`` ``(b, T, n*H_t)``, zero-padded, in the features' dtype;
+    * ``position_ids`` ``(b, T + Q)`` int64: context ``0 .. T-1``, block ``n`` at ``a_n .. a_n + B - 1``
+      (padding blocks at ``0 .. B-1``);
+    * ``attention_mask`` ``(b, 1, Q, T + Q)`` bool, True = attend: block ``n`` sees context ``< a_n`` and its own
+      ``B`` slots; a padding block sees only itself (no fully masked row, so no NaN);
+    * ``labels`` ``(b, Q)`` int64, ``-100`` where not trained (slot 0, padding, past the response);
+    * ``predecessor_ids`` ``(b, Q)`` int64: the true previous token of each labelled slot (for the selector);
+    * ``anchors`` ``(b, N)`` int64, ``-1`` for padding blocks.
+
+    Anchors are re-drawn on every call (``rng`` seeded by ``seed``).
+
+    Raises:
+        ValueError: an item is malformed (length mismatch, too few feature rows).
+    """
+
+    block_size: int
+    mask_token_id: int
+    num_blocks: int = 32
+    max_length: int | None = None
+    seed: int = 0
+    drop_empty: bool = True
+    rng: random.Random = field(init=False, repr=False)
+
+    def __post_init__(self):
+        if self.block_size < 2:
+            raise ValueError(f"block_size must be >= 2, got {self.block_size}")
+        if self.num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
+        self.rng = random.Random(self.seed)
+
+    def _prepare(self, item: dict):
+        ids = torch.as_tensor(item["input_ids"], dtype=torch.long).flatten()
+        mask = torch.as_tensor(item["response_mask"]).flatten().bool()
+        feats = item["context_hidden_states"]
+        if mask.shape != ids.shape:
+            raise ValueError(f"response_mask has {mask.numel()} entries for {ids.numel()} input_ids")
+        if feats.shape[0] < ids.shape[0]:
+            # features may be stored for a prefix only (the cache truncates at its max_length)
+            ids, mask = ids[: feats.shape[0]], mask[: feats.shape[0]]
+        if self.max_length is not None and ids.shape[0] > self.max_length:
+            ids, mask = ids[: self.max_length], mask[: self.max_length]
+        return ids, mask, feats[: ids.shape[0]]
+
+    def __call__(self, items: list[dict]) -> dict[str, torch.Tensor]:
+        B = self.block_size
+        prepared = []
+        for item in items:
+            ids, mask, feats = self._prepare(item)
+            anchors = sample_anchors(mask, self.num_blocks, self.rng)
+            if anchors.numel() == 0 and self.drop_empty and len(items) > 1:
+                continue
+            prepared.append((ids, mask, feats, anchors))
+        if not prepared:  # every item lacked anchors: keep the first with one padding block (no labels)
+            ids, mask, feats = self._prepare(items[0])
+            prepared.append((ids, mask, feats, torch.zeros(0, dtype=torch.long)))
+        b = len(prepared)
+        T = max(p[0].shape[0] for p in prepared)
+        N = max(1, max(p[3].shape[0] for p in prepared))
+        Q = N * B
+        width = prepared[0][2].shape[-1]
+        dtype = prepared[0][2].dtype
+
+        block_ids = torch.full((b, Q), self.mask_token_id, dtype=torch.long)
+        ctx = torch.zeros(b, T, width, dtype=dtype)
+        pos = torch.empty(b, T + Q, dtype=torch.long)
+        attn = torch.zeros(b, 1, Q, T + Q, dtype=torch.bool)
+        labels = torch.full((b, Q), IGNORE_INDEX, dtype=torch.long)
+        preds = torch.zeros(b, Q, dtype=torch.long)
+        anchors_out = torch.full((b, N), -1, dtype=torch.long)
+
+        slot_block = torch.arange(Q) // B  # block index of each query slot
+        same_block = slot_block[:, None] == slot_block[None, :]  # (Q, Q)
+        offs = torch.arange(B)
+        ctx_cols = torch.arange(T)
+        for r, (ids, mask, feats, anchors) in enumerate(prepared):
+            L, n = ids.shape[0], anchors.shape[0]
+            ctx[r, :L] = feats
+            pos[r, :T] = torch.arange(T)
+            blk_anchor = torch.zeros(N, dtype=torch.long)  # padding blocks: positions 0..B-1, no context
+            blk_anchor[:n] = anchors
+            pos[r, T:] = (blk_anchor[:, None] + offs[None, :]).flatten()
+            attn[r, 0, :, :T] = ctx_cols[None, :] < blk_anchor[slot_block][:, None]
+            attn[r, 0, :, T:] = same_block
+            if n:
+                anchors_out[r, :n] = anchors
+                block_ids[r, : n * B : B] = ids[anchors]
+                lab, prv = block_labels(ids, mask, anchors, B)
+                labels[r, : n * B] = lab.flatten()
+                preds[r, : n * B] = prv.flatten()
+        return {
+            "block_input_ids": block_ids,
+            "context_hidden_states": ctx,
+            "position_ids": pos,
+            "attention_mask": attn,
+            "labels": labels,
+            "predecessor_ids": preds,
+            "anchors": anchors_out,
+        }
+
+
+__all__ = ["BlockCollator", "IGNORE_INDEX", "block_labels", "sample_anchors", "valid_anchors"]

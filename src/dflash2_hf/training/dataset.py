@@ -1,0 +1,130 @@
+"""Training records (target-regenerated conversations) joined with their cached target features.
+
+Records come from :func:`dflash2_hf.data.load_prepared` (JSONL shards with ``record_id``, ``input_ids`` and
+``response_spans``; see :mod:`dflash2_hf.data.regenerate`). :func:`normalize_record` turns one record into the
+three fields training needs (``record_id``, ``input_ids``, ``response_mask``) and also accepts records that carry a
+``response_mask`` / ``loss_mask`` list or ``labels`` with ``-100`` instead of spans.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Sequence
+
+import torch
+from torch.utils.data import Dataset
+
+from .features import FeatureCache
+
+logger = logging.getLogger(__name__)
+
+
+def normalize_record(rec: dict) -> dict:
+    """``{"record_id": int, "input_ids": list[int], "response_mask": list[int]}`` from a prepared record.
+
+    Raises:
+        ValueError: the record has no way to tell response tokens (spans, mask or labels), or lengths differ.
+    """
+    ids = [int(t) for t in rec["input_ids"]]
+    if "response_spans" in rec:
+        mask = [0] * len(ids)
+        for s, e in rec["response_spans"]:
+            mask[s:e] = [1] * (e - s)
+    elif "response_mask" in rec or "loss_mask" in rec:
+        mask = [int(bool(m)) for m in rec.get("response_mask", rec.get("loss_mask"))]
+    elif "labels" in rec:
+        mask = [int(lab != -100) for lab in rec["labels"]]
+    else:
+        raise ValueError(
+            f"record {rec.get('record_id')!r} has no response_spans / response_mask / loss_mask / labels: "
+            "cannot tell which tokens are responses"
+        )
+    if len(mask) != len(ids):
+        raise ValueError(f"record {rec.get('record_id')!r}: {len(mask)} mask entries for {len(ids)} input_ids")
+    return {"record_id": int(rec["record_id"]), "input_ids": ids, "response_mask": mask}
+
+
+def load_training_records(
+    data_dir: str | os.PathLike,
+    max_records: int | None = None,
+    train_only: bool = True,
+) -> list[dict]:
+    """Normalised records of a prepared data folder, sorted by ``record_id``.
+
+    Args:
+        data_dir: folder written by ``dflash2 prepare-data``.
+        max_records: keep the first ``max_records`` records (by ``record_id``), e.g. to fit a time budget.
+        train_only: for ShareGPT-derived folders, drop records outside the training range ``[0, 16000)``
+            (dev / held-out records must never be trained on; DESIGN.md section 7).
+
+    Raises:
+        FileNotFoundError: ``data_dir`` holds no prepared shards yet.
+    """
+    from ..data import TRAIN_RANGE, load_prepared
+
+    recs = [normalize_record(r) for r in load_prepared(data_dir)]
+    if train_only:
+        kept = [r for r in recs if TRAIN_RANGE[0] <= r["record_id"] < TRAIN_RANGE[1]]
+        if len(kept) != len(recs):
+            logger.warning("dropped %d records outside the ShareGPT training range %s", len(recs) - len(kept),
+                           TRAIN_RANGE)
+        recs = kept
+    recs.sort(key=lambda r: r["record_id"])
+    if max_records is not None:
+        recs = recs[:max_records]
+    return recs
+
+
+class FeatureDataset(Dataset):
+    """Map-style dataset of records whose features are in a :class:`FeatureCache`.
+
+    Records the cache lacks (or holds for other tokens) are left out; :attr:`skipped` counts them.
+    Items (what :class:`~dflash2_hf.training.collator.BlockCollator` takes): ``record_id`` int, ``input_ids``
+    ``(L,)`` int64, ``response_mask`` ``(L,)`` bool, ``context_hidden_states`` ``(L, n*H_t)`` bfloat16 (read from
+    disk on access), where ``L`` is the cached length.
+    """
+
+    def __init__(self, records: Sequence[dict], cache: FeatureCache, max_length: int | None = None):
+        self.cache = cache
+        stale = {r["record_id"] for r in cache.missing(records, max_length)}
+        self.records = [r for r in records if r["record_id"] not in stale and r["record_id"] in cache]
+        self.skipped = len(records) - len(self.records)
+
+    def add_records(self, records: Sequence[dict], max_length: int | None = None) -> int:
+        """Appends the records of ``records`` that are cached (fresh) and not in the dataset yet; returns how many.
+
+        Lets a training run pick up data that a still-running ``prepare-data`` job wrote after it started.
+        """
+        have = {r["record_id"] for r in self.records}
+        new = [r for r in records if r["record_id"] not in have and r["record_id"] in self.cache]
+        stale = {r["record_id"] for r in self.cache.missing(new, max_length)}
+        new = [r for r in new if r["record_id"] not in stale]
+        self.records.extend(new)
+        return len(new)
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def num_response_tokens(self) -> int:
+        """Response tokens inside the cached lengths (what the blocks can be trained on)."""
+        return sum(sum(r["response_mask"][: self.cache.length(r["record_id"])]) for r in self.records)
+
+    def num_tokens(self) -> int:
+        """Cached context tokens."""
+        return sum(self.cache.length(r["record_id"]) for r in self.records)
+
+    def __getitem__(self, i: int) -> dict:
+        rec = self.records[i]
+        feats = self.cache.get(rec["record_id"])
+        L = feats.shape[0]
+        return {
+            "record_id": rec["record_id"],
+            "input_ids": torch.tensor(rec["input_ids"][:L], dtype=torch.long),
+            "response_mask": torch.tensor(rec["response_mask"][:L], dtype=torch.bool),
+            "context_hidden_states": feats,
+        }
+
+
+__all__ = ["FeatureDataset", "load_training_records", "normalize_record"]
