@@ -102,16 +102,39 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_lora_arguments(parser: argparse.ArgumentParser) -> None:
-    """Hook for LoRA options (none yet). Add ``--lora`` etc. here and implement them in :func:`wrap_model`."""
+    """LoRA fine-tuning options (``--lora`` with ``--init``: adapt a trained drafter, save only the adapter)."""
+    g = parser.add_argument_group("LoRA (adapt a trained drafter; see dflash2_hf.lora)")
+    g.add_argument("--lora", action="store_true",
+                   help="train a LoRA adapter on the drafter given by --init instead of all its weights; "
+                        "--output then holds only the adapter (+ the base fingerprint)")
+    g.add_argument("--lora-r", type=int, default=16)
+    g.add_argument("--lora-alpha", type=int, default=32)
+    g.add_argument("--lora-dropout", type=float, default=0.0)
+    g.add_argument("--lora-target-modules", default=None,
+                   help="comma-separated module names (default: q/k/v/o and gate/up/down projections)")
+    g.add_argument("--only-code", action="store_true",
+                   help="train only on records whose conversation contains a fenced code block (a code domain)")
 
 
 def wrap_model(drafter, args: argparse.Namespace):
-    """Hook: returns the module the Trainer optimizes. Today the drafter itself (every drafter weight trains).
+    """The module the Trainer optimizes: the drafter, or (``--lora``) a PEFT LoRA model around it.
 
-    A LoRA option plugs in here (e.g. ``peft.get_peft_model(drafter, LoraConfig(...))``); the trainer, the
-    losses and checkpointing already accept a PEFT-wrapped drafter (see ``training.trainer.unwrap_drafter``).
+    Raises:
+        SystemExit: ``--lora`` without ``--init`` (an adapter needs a trained base drafter).
     """
-    return drafter
+    if not args.lora:
+        return drafter
+    if not args.init:
+        raise SystemExit("--lora needs --init PATH_OR_ID: the trained drafter the adapter adapts.")
+    from ..lora import add_lora, lora_config
+
+    modules = args.lora_target_modules.split(",") if args.lora_target_modules else None
+    return add_lora(drafter, lora_config(args.lora_r, args.lora_alpha, args.lora_dropout, modules))
+
+
+def is_code_record(tokenizer, record: dict) -> bool:
+    """True when the rendered conversation holds a fenced code block (Markdown ```)."""
+    return "```" in tokenizer.decode(record["input_ids"])
 
 
 def default_features_root(data_dir: str) -> str:
@@ -134,7 +157,7 @@ def build_drafter(args: argparse.Namespace, target, resume_from: str | None):
 
     from .. import DFlash2DraftModel
 
-    if resume_from:
+    if resume_from and not args.lora:  # a LoRA checkpoint holds the adapter only: the base comes from --init
         drafter = DFlash2DraftModel.from_pretrained(resume_from)
     elif args.init:
         drafter = DFlash2DraftModel.from_pretrained(args.init)
@@ -211,7 +234,7 @@ def run(args: argparse.Namespace) -> int:
     resume_from = _last_checkpoint(args.output) if args.resume else None
     if args.resume and resume_from is None:
         logger.warning("--resume: no checkpoint in %s yet, starting fresh", args.output)
-    target, _tokenizer = load_target(args.target, dtype=torch.float32)
+    target, tokenizer = load_target(args.target, dtype=torch.float32)
     drafter = build_drafter(args, target, resume_from)
     cfg = drafter.config
     n_params = sum(p.numel() for p in drafter.parameters())
@@ -223,7 +246,13 @@ def run(args: argparse.Namespace) -> int:
         return _eval_only(args, target, drafter, progress)
 
     # ---- target features (computed once, reused by every run)
-    records = load_training_records(args.data, max_records=args.max_records)
+    def load_records():
+        recs = load_training_records(args.data, max_records=args.max_records)
+        return [r for r in recs if is_code_record(tokenizer, r)] if args.only_code else recs
+
+    records = load_records()
+    if args.only_code:
+        logger.info("--only-code: %d records with a fenced code block", len(records))
     feat_root = args.features_dir or default_features_root(args.data)
     cache = FeatureCache(feat_root, args.target, cfg.target_layer_ids)
     budget = None if args.feature_time_budget is None else args.feature_time_budget * 60
@@ -285,7 +314,7 @@ def run(args: argparse.Namespace) -> int:
     if args.follow_data:
         trainer.add_callback(FollowDataCallback(
             dataset, cache, target,
-            load_records=lambda: load_training_records(args.data, max_records=args.max_records),
+            load_records=load_records,
             max_length=args.max_length, every_steps=args.follow_every, time_budget_s=budget,
             compute_dtype=getattr(torch, args.feature_dtype)))
     os.makedirs(args.output, exist_ok=True)
@@ -294,6 +323,14 @@ def run(args: argparse.Namespace) -> int:
                   default=str)
     result = trainer.train(resume_from_checkpoint=resume_from)
     trainer.save_model(args.output)
+    if args.lora:
+        from ..lora import adapter_size_bytes, checkpoint_size_bytes, save_adapter
+
+        save_adapter(model, args.output)
+        base_bytes = checkpoint_size_bytes(args.init) if os.path.isdir(args.init) else None
+        logger.info("adapter: %.2f MB%s", adapter_size_bytes(args.output) / 1e6,
+                    f" = {100 * adapter_size_bytes(args.output) / base_bytes:.1f}% of the base drafter's "
+                    f"{base_bytes / 1e6:.1f} MB" if base_bytes else "")
     final_eval = trainer.evaluate() if eval_dataset is not None else {}
     path = write_summary(args.output, trainer, {
         "train_runtime_s": result.metrics.get("train_runtime"), "wall_s": round(time.time() - t_start, 1),

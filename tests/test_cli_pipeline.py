@@ -1,0 +1,53 @@
+"""The whole user pipeline through the `dflash2` command on a tiny offline target:
+prepare-data -> train -> train --lora -> generate with the drafter and its adapter."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from dflash2_hf import DFlash2DraftModel
+from dflash2_hf.cli import main
+from dflash2_hf.lora import load_adapter
+from test_data import _tiny_tokenizer
+
+
+def test_prepare_train_lora_generate(tmp_path, monkeypatch):
+    monkeypatch.setenv("DFLASH2_CACHE", str(tmp_path / "cache"))
+    tok = _tiny_tokenizer()
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                      bos_token_id=1, eos_token_id=2, pad_token_id=2, tie_word_embeddings=False)
+    target = LlamaForCausalLM(cfg).eval()
+    target.generation_config.eos_token_id = target.generation_config.pad_token_id = 2
+    target.save_pretrained(tmp_path / "target")
+    tok.save_pretrained(tmp_path / "target")
+    t = str(tmp_path / "target")
+
+    assert main(["prepare-data", "--target", t, "--out", str(tmp_path / "data"), "--start", "0", "--stop", "12",
+                 "--batch-size", "4", "--max-new-tokens", "24", "--max-prompt-tokens", "4000", "--no-progress"]) == 0
+    meta = json.load(open(tmp_path / "data" / "meta.json"))
+    assert meta["counts"]["kept"] > 0
+
+    common = ["--target", t, "--data", str(tmp_path / "data"), "--num-blocks", "4", "--save-steps", "1000",
+              "--logging-steps", "5", "--no-progress", "--max-length", "2048"]
+    assert main(["train", *common, "--output", str(tmp_path / "drafter"), "--num-layers", "2", "--block-size", "4",
+                 "--max-steps", "6"]) == 0
+    drafter = DFlash2DraftModel.from_pretrained(tmp_path / "drafter")
+    assert drafter.config.block_size == 4 and drafter.config.num_hidden_layers == 2
+
+    assert main(["train", *common, "--output", str(tmp_path / "adapter"), "--init", str(tmp_path / "drafter"),
+                 "--lora", "--lora-r", "4", "--max-steps", "6"]) == 0
+    files = {p.name for p in (tmp_path / "adapter").iterdir()}
+    assert {"adapter_model.safetensors", "adapter_config.json", "dflash2_adapter.json"} <= files
+    assert "model.safetensors" not in files  # only the adapter is saved
+
+    adapted = load_adapter(DFlash2DraftModel.from_pretrained(tmp_path / "drafter"), tmp_path / "adapter")
+    ids = tok.apply_chat_template([{"role": "user", "content": "hello there"}], add_generation_prompt=True,
+                                  return_tensors="pt", return_dict=True)["input_ids"]
+    ref = target.generate(ids, max_new_tokens=12, do_sample=False)
+    for assistant in (drafter, adapted, adapted.merge_and_unload()):
+        assert torch.equal(ref, target.generate(ids, assistant_model=assistant, max_new_tokens=12, do_sample=False))
