@@ -15,6 +15,8 @@ import torch
 from safetensors import safe_open
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from conftest import randomize_convs, randomize_selector
+
 from dflash2_hf import DFlash2DraftModel
 from dflash2_hf.training import (
     IGNORE_INDEX,
@@ -57,15 +59,7 @@ def _drafter(target, seed=1, **kw):
 
 def _perturb(drafter, seed=3):
     """Moves convs and selector away from their identity / zero init so the test really exercises them."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for layer in drafter.layers:
-            for conv in (layer.attention_conv, layer.mlp_conv):
-                conv.base_kernel.add_(torch.randn(conv.base_kernel.shape, generator=g) * 0.3)
-                conv.kernel_projection.weight.copy_(torch.randn(conv.kernel_projection.weight.shape, generator=g) * 0.05)
-        sel = drafter.candidate_selector
-        sel.successor_codebook.copy_(torch.randn(sel.successor_codebook.shape, generator=g))
-    return drafter
+    return randomize_selector(randomize_convs(drafter, seed=seed), seed=seed, scale=1.0)
 
 
 def _records(n=6, seed=0, lo=20, hi=40):

@@ -27,8 +27,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..bench import BenchSettings, load_bench_prompts, load_drafter, run_benchmark
+    from ..bench import BenchSettings, load_bench_prompts, run_benchmark
     from ..targets import load_target
+    from .generate import load_drafter
 
     import torch
 
@@ -36,7 +37,6 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.num_threads)
     target, tokenizer = load_target(args.target)
     drafter = load_drafter(args.drafter, target, dtype=torch.bfloat16 if args.drafter_dtype == "bf16" else torch.float32)
-    drafter.check_target(target)
     prompts, _ = load_bench_prompts(args.datasets.split(","), tokenizer, num_prompts=args.num_prompts)
     settings = BenchSettings(max_new_tokens=args.max_new_tokens, methods=("plain", "dflash2"))
     results = run_benchmark(target, drafter, prompts, settings, out_dir=args.out,

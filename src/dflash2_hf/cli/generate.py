@@ -29,16 +29,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also run plain generate() and print the speedup and (greedy) whether outputs match")
 
 
-def load_drafter(spec: str, target):
-    """A drafter from a folder / Hub id, or ``'fresh'`` (untrained, sized for ``target``), checked against it."""
-    from ..modeling_dflash2 import DFlash2DraftModel
+def load_drafter(spec: str, target, dtype=None):
+    """A drafter from a folder / Hub id, or ``'fresh'`` (untrained, sized for ``target``), checked against it.
 
-    if spec == "fresh":
-        drafter = DFlash2DraftModel.from_target(target)
-    else:
-        drafter = DFlash2DraftModel.from_pretrained(spec).to(target.device)
+    Raises:
+        DrafterTargetMismatchError: the drafter was built for another target.
+    """
+    from ..bench import load_drafter as load
+
+    drafter = load(spec, target, dtype=dtype)
     drafter.check_target(target)
-    return drafter.eval()
+    return drafter
 
 
 def prompt_ids(tokenizer, text: str) -> torch.LongTensor:
