@@ -344,10 +344,13 @@ class DFlash2DraftModel(DFlash2PreTrainedModel):
         Returns:
             ``(…, V)`` logits in the LM head's dtype.
         """
+        # a 2-D input: oneDNN picks a ~20x slower bf16 kernel for some 3-D views (a sliced block, batch 1)
+        flat = hidden.reshape(-1, hidden.shape[-1])
         if isinstance(lm_head, torch.Tensor):
-            logits = F.linear(hidden.to(lm_head.dtype), lm_head)
+            logits = F.linear(flat.to(lm_head.dtype), lm_head)
         else:
-            logits = lm_head(hidden.to(lm_head.weight.dtype))
+            logits = lm_head(flat.to(lm_head.weight.dtype))
+        logits = logits.view(*hidden.shape[:-1], logits.shape[-1])
         if self.config.output_multiplier != 1.0:
             logits = logits * self.config.output_multiplier
         cap = self.config.final_logit_softcapping
