@@ -25,8 +25,8 @@ def test_drafter_for_another_hidden_size(targets):
 
 def test_drafter_for_another_vocabulary(targets):
     drafter = make_drafter(make_target("llama", vocab_size=128))
-    # transformers' own check (different tokenizers) fires first for vocab mismatches; either way it is explicit
-    with pytest.raises((DrafterTargetMismatchError, ValueError), match="vocab|tokenizer"):
+    # our check runs before transformers' "different tokenizers" check, so the message names the real problem
+    with pytest.raises(DrafterTargetMismatchError, match="vocabulary 96 != drafter's vocab_size 128"):
         targets["llama"].generate(IDS, assistant_model=drafter, max_new_tokens=4)
     with pytest.raises(DrafterTargetMismatchError, match="vocabulary 96 != drafter's vocab_size 128"):
         drafter.check_target(targets["llama"])
@@ -87,3 +87,39 @@ def test_output_attentions_refused(targets):
     with pytest.raises(UnsupportedGenerationError, match="output_attentions"):
         target.generate(IDS, assistant_model=make_drafter(target), max_new_tokens=3, return_dict_in_generate=True,
                         output_hidden_states=True)
+
+
+def test_beam_search_refused(targets):
+    target = targets["llama"]
+    with pytest.raises(UnsupportedGenerationError, match="num_beams=2.*num_beams=1"):
+        target.generate(IDS, assistant_model=make_drafter(target), max_new_tokens=3, num_beams=2)
+
+
+def test_missing_local_drafter_folder_is_named_without_hub_calls(tmp_path):
+    from dflash2_hf import DFlash2DraftModel
+
+    with pytest.raises(FileNotFoundError, match="No drafter folder.*from_target"):
+        DFlash2DraftModel.from_pretrained(str(tmp_path / "nope"))
+    with pytest.raises(FileNotFoundError, match="No drafter folder"):
+        DFlash2DraftModel.from_pretrained("./not-here")
+
+
+def test_non_finite_weights_are_refused(targets, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from dflash2_hf import CheckpointError, DFlash2DraftModel
+
+    make_drafter(targets["llama"]).save_pretrained(tmp_path)
+    state = load_file(tmp_path / "model.safetensors")
+    state["layers.1.mlp.gate_proj.weight"][0, 0] = float("nan")
+    save_file(state, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match="non-finite.*layers.1.mlp.gate_proj.weight"):
+        DFlash2DraftModel.from_pretrained(tmp_path)
+
+
+def test_cli_prints_one_line_errors(capsys, tmp_path):
+    from dflash2_hf.cli import main
+
+    assert main(["generate", "--target", "smollm2", "--drafter", str(tmp_path / "missing"), "--prompt", "hi"]) == 2
+    err = capsys.readouterr().err
+    assert "dflash2 generate: error: No drafter folder" in err and "Traceback" not in err

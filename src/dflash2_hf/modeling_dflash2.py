@@ -498,6 +498,13 @@ class DFlash2DraftModel(DFlash2PreTrainedModel):
             CheckpointError: a weight file is truncated or corrupt, or weights are missing / of the wrong shape
                 (``transformers`` would otherwise initialise them randomly and only warn).
         """
+        path = os.fspath(pretrained_model_name_or_path)
+        first = path.split("/")[0]
+        if not os.path.exists(path) and (path.startswith((".", "/", "~")) or (first != path and os.path.isdir(first))):
+            raise FileNotFoundError(
+                f"No drafter folder at {path!r}. Pass an existing folder or a Hub id (org/name), build an untrained "
+                "one with DFlash2DraftModel.from_target(target) (CLI: --drafter fresh), or train one (dflash2 train)."
+            )
         want_info = kwargs.pop("output_loading_info", False)
         kwargs.setdefault("ignore_mismatched_sizes", False)
         try:
@@ -524,10 +531,16 @@ class DFlash2DraftModel(DFlash2PreTrainedModel):
         mismatched = sorted(map(str, info.get("mismatched_keys", [])))
         if missing or mismatched:
             raise CheckpointError(
-                f"The drafter checkpoint {os.fspath(pretrained_model_name_or_path)!r} does not match its config: "
+                f"The drafter checkpoint {path!r} does not match its config: "
                 f"missing weights {sorted(missing)[:8]}{' ...' if len(missing) > 8 else ''}, "
                 f"wrong shapes {mismatched[:4]}. Re-save it with DFlash2DraftModel.save_pretrained, or fix config.json "
                 "(use_local_conv / use_candidate_selector / sizes) to match the weights."
+            )
+        bad = [n for n, p in model.named_parameters() if not torch.isfinite(p).all()]
+        if bad:
+            raise CheckpointError(
+                f"The drafter checkpoint {path!r} holds non-finite values (NaN/inf) in {bad[:4]}: the file is corrupt "
+                "(or training diverged). Download or save the drafter again."
             )
         if info.get("unexpected_keys"):
             logger.warning(f"Ignoring unexpected weights in the drafter checkpoint: {sorted(info['unexpected_keys'])[:8]}")

