@@ -62,7 +62,10 @@ def main() -> None:
 
     results = "No benchmark was run for this folder."
     if args.bench:
-        results = Path(args.bench).read_text()
+        bench_json = Path(args.bench).with_name("results.json")
+        command = json.loads(bench_json.read_text())["meta"].get("command") if bench_json.exists() else None
+        results = (f"Measured with `{command}` (this repository, on the CPU machine described below).\n\n"
+                   if command else "") + Path(args.bench).read_text()
     card = build_model_card(
         drafter,
         base_model=args.base_model,
