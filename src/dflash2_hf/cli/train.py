@@ -145,10 +145,29 @@ def default_features_root(data_dir: str) -> str:
     return str(cache_dir() / "features" / name)
 
 
-def _last_checkpoint(output: str) -> str | None:
-    from transformers.trainer_utils import get_last_checkpoint
+def last_complete_checkpoint(output: str) -> str | None:
+    """Newest ``checkpoint-N`` folder of ``output`` that a resume can use, or None.
 
-    return get_last_checkpoint(output) if os.path.isdir(output) else None
+    A checkpoint counts only if it holds ``trainer_state.json`` (written last by the Trainer) and the drafter
+    weights; a folder left half-written by a kill is skipped with a warning (``transformers``'
+    ``get_last_checkpoint`` would pick it and restart the step count from 0).
+    """
+    import re
+
+    if not os.path.isdir(output):
+        return None
+    found = []
+    for name in os.listdir(output):
+        m = re.fullmatch(r"checkpoint-(\d+)", name)
+        if m and os.path.isdir(os.path.join(output, name)):
+            found.append((int(m.group(1)), os.path.join(output, name)))
+    for _step, path in sorted(found, reverse=True):
+        files = set(os.listdir(path))
+        if "trainer_state.json" in files and ("model.safetensors" in files or "model.safetensors.index.json" in files
+                                              or "adapter_model.safetensors" in files):
+            return path
+        logger.warning("skipping incomplete checkpoint %s (no trainer_state.json or weights)", path)
+    return None
 
 
 def build_drafter(args: argparse.Namespace, target, resume_from: str | None):
@@ -231,7 +250,7 @@ def run(args: argparse.Namespace) -> int:
     progress = not args.no_progress and sys.stderr.isatty()
     t_start = time.time()
 
-    resume_from = _last_checkpoint(args.output) if args.resume else None
+    resume_from = last_complete_checkpoint(args.output) if args.resume else None
     if args.resume and resume_from is None:
         logger.warning("--resume: no checkpoint in %s yet, starting fresh", args.output)
     target, tokenizer = load_target(args.target, dtype=torch.float32)
