@@ -67,7 +67,7 @@ def default_training_arguments(output_dir: str, **overrides) -> DFlash2TrainingA
         logging_steps=10,
         save_steps=200,
         save_total_limit=3,
-        use_cpu=True,
+        use_cpu=not torch.cuda.is_available(),  # train on the GPU when there is one
         report_to="none",
         remove_unused_columns=False,
         dataloader_num_workers=0,
