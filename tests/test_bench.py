@@ -22,6 +22,27 @@ def models():
 
 
 @pytest.fixture(scope="module")
+def adapted(models, tmp_path_factory):
+    """The same drafter with a (random, non-zero) LoRA adapter, saved and loaded back merged, as the CLI does."""
+    import copy
+
+    from dflash2_hf.bench import load_adapted_drafter
+    from dflash2_hf.lora import add_lora, save_adapter
+
+    target, drafter = models
+    root = tmp_path_factory.mktemp("adapter")
+    drafter.save_pretrained(root / "base")
+    model = add_lora(copy.deepcopy(drafter))
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+    save_adapter(model, root / "adapter")
+    return load_adapted_drafter(str(root / "base"), root / "adapter", target)
+
+
+@pytest.fixture(scope="module")
 def prompts():
     g = torch.Generator().manual_seed(0)
     random_prompt = torch.randint(6, 96, (9,), generator=g).tolist()
@@ -46,7 +67,7 @@ def _check_files(out, results, methods):
     for rec in data["records"]:
         assert rec["new_tokens"] > 0 and rec["seconds"] > 0 and rec["tokens_per_second"] > 0
         assert rec["forwards"]["target_forwards"] >= 1
-        if rec["method"] in ("dflash2", "dflash2_top1"):
+        if rec["method"] in ("dflash2", "dflash2_top1", "dflash2_adapter"):
             stats = rec["generation_stats"]
             assert stats is not None
             # the hook-based accounting agrees with the loop's own statistics
@@ -64,7 +85,7 @@ def _check_files(out, results, methods):
         assert row["tokens_per_second"] > 0 and row["speedup"] > 0
         if row["method"] == "plain":
             assert row["speedup"] == pytest.approx(1.0)
-        if row["method"] in ("builtin_dflash", "dflash2", "dflash2_top1"):
+        if row["method"] in ("builtin_dflash", "dflash2", "dflash2_top1", "dflash2_adapter"):
             assert len(row["per_position_acceptance"]) == 5  # block size 6
             assert row["time_split_ms_per_cycle"]["draft"] is not None
     md = (out / "results.md").read_text()
@@ -73,17 +94,33 @@ def _check_files(out, results, methods):
     return data
 
 
-def test_bench_greedy(models, prompts, tmp_path):
+def test_bench_greedy(models, adapted, prompts, tmp_path):
     target, drafter = models
     settings = BenchSettings(max_new_tokens=NEW, methods=METHODS, warmup_tokens=3, progress=False)
-    results = run_benchmark(target, drafter, prompts, settings, out_dir=tmp_path, meta={"target": "tiny-llama"})
+    results = run_benchmark(target, drafter, prompts, settings, out_dir=tmp_path,
+                            meta={"target": "tiny-llama", "adapter": "a/b", "adapter_bytes": 1000,
+                                  "drafter_bytes": 10000}, adapted_drafter=adapted)
     data = _check_files(tmp_path, results, METHODS)
+    assert "LoRA adapter (method `dflash2_adapter`): `a/b` (0.00 MB = 10.0% of the drafter's" in (
+        tmp_path / "results.md").read_text()
+    # the adapter method drafted with the adapted drafter: its last record's statistics are the adapted
+    # drafter's own (the base drafter's last run is a dflash2/dflash2_top1 one)
+    last = [r for r in data["records"] if r["method"] == "dflash2_adapter"][-1]
+    assert last["generation_stats"] == json.loads(json.dumps(adapted.generation_stats.to_dict()))
+    assert adapted is not drafter
     # every method is lossless in fp32 greedy: token-for-token identical to plain greedy
     assert all(rec["identical_to_plain"] is True for rec in data["records"])
     assert all(row["identical_all"] is True for row in data["aggregates"])
     assert drafter.use_selector is True  # restored after dflash2_top1
     pl = next(r for r in data["aggregates"] if r["dataset"] == "rep" and r["method"] == "prompt_lookup")
     assert pl["per_position_acceptance"] is not None
+
+
+def test_adapter_method_needs_its_drafter(models, prompts):
+    target, drafter = models
+    settings = BenchSettings(max_new_tokens=NEW, methods=("dflash2_adapter",), warmup=False, progress=False)
+    with pytest.raises(ValueError, match="dflash2_adapter needs adapted_drafter"):
+        run_benchmark(target, drafter, prompts, settings)
 
 
 def test_bench_sampling_subset(models, prompts, tmp_path):

@@ -218,6 +218,30 @@ def test_skips_are_counted_never_crash(tmp_path, tiny):
     assert meta["source"]["record_range"] == [0, len(recs)]
 
 
+def test_code_filter_keeps_code_conversations_only(tmp_path, tiny):
+    from dflash2_hf.data.sharegpt import has_code_block
+
+    model, tok = tiny
+    recs = [
+        _conv(("human", "write a loop"), ("gpt", "Sure:\n```python\nfor i in range(3): pass\n```")),  # 0 code
+        _conv(("human", "hello"), ("gpt", "hi")),                                                       # 1 no code
+        _conv(("human", "fix this\n```js\nlet x\n```"), ("gpt", "done")),                               # 2 code
+        _conv(("human", "hi"), ("gpt", "hi"), ("human", "```late```")),                                 # 3 too late
+    ]
+    assert [has_code_block(r) for r in recs] == [True, False, True, False]
+    path = _write_array(tmp_path / "sg.json", recs)
+    counts = prepare_data(model, tok, tmp_path / "out", stop=len(recs), max_prompt_tokens=300, max_new_tokens=2,
+                          source_path=path, progress=False, record_filter="code")
+    assert counts["kept"] == 2 and counts["skipped"] == {"filtered_out": 2}
+    assert [r["record_id"] for r in load_prepared(tmp_path / "out")] == [0, 2]
+    assert read_meta(tmp_path / "out")["source"]["filter"] == "code"
+    with pytest.raises(ValueError, match="other settings.*source.filter"):  # a resume keeps the filter
+        prepare_data(model, tok, tmp_path / "out", stop=len(recs), max_prompt_tokens=300, max_new_tokens=2,
+                     source_path=path, progress=False)
+    with pytest.raises(ValueError, match="unknown record_filter"):
+        prepare_data(model, tok, tmp_path / "out2", stop=1, source_path=path, record_filter="poetry")
+
+
 def test_record_layout_single_turn(tmp_path, tiny):
     model, tok = tiny
     path = _write_array(tmp_path / "sg.json", _good_records(3))

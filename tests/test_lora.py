@@ -80,3 +80,19 @@ def test_adapted_drafter_for_another_target_is_refused(targets):
     model = add_lora(make_drafter(make_target("qwen3", hidden_size=32)))
     with pytest.raises(Exception, match="built for another target"):
         targets["qwen3"].generate(torch.tensor([[5, 6, 7]]), assistant_model=model, max_new_tokens=3)
+
+
+def test_adapter_for_same_shaped_other_weights_is_refused(targets, tmp_path, caplog):
+    """Same architecture, other weights (e.g. a newer release of the drafter): refused unless strict=False."""
+    make_drafter(targets["llama"]).save_pretrained(tmp_path / "base")
+    save_adapter(add_lora(DFlash2DraftModel.from_pretrained(tmp_path / "base")), tmp_path / "adapter")
+    # the digest ignores the dtype the base is loaded in (bf16 checkpoints are upcast for training)
+    assert load_adapter(DFlash2DraftModel.from_pretrained(tmp_path / "base", dtype=torch.bfloat16),
+                        tmp_path / "adapter") is not None
+    other = DFlash2DraftModel.from_pretrained(tmp_path / "base")
+    with torch.no_grad():
+        other.layers[0].mlp.up_proj.weight.add_(0.01)
+    with pytest.raises(AdapterMismatchError, match="trained on other base weights.*strict=False"):
+        load_adapter(other, tmp_path / "adapter")
+    loaded = load_adapter(other, tmp_path / "adapter", strict=False)
+    assert any("lora_A" in n for n, _ in loaded.named_parameters())

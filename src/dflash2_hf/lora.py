@@ -12,8 +12,10 @@ Which modules get LoRA and why (:data:`DEFAULT_TARGET_MODULES`):
   tables, not layers), so LoRA cannot wrap them; they stay as trained.
 
 An adapter folder is what ``PeftModel.save_pretrained`` writes plus ``dflash2_adapter.json``, a fingerprint of the
-base drafter (shapes and target binding) checked on load, so an adapter trained for another drafter fails with a
-clear message instead of a wall of shape errors.
+base drafter checked on load: its shapes and target binding (an adapter for another architecture fails with a clear
+message instead of a wall of shape errors) and a digest of its weights (an adapter trained on another drafter of
+the same shapes, e.g. an older release, would load silently and draft worse; it is refused unless
+``strict=False``).
 """
 
 from __future__ import annotations
@@ -24,8 +26,11 @@ import os
 from pathlib import Path
 
 from peft import LoraConfig, PeftModel, get_peft_model
+from transformers.utils import logging
 
 from .errors import DrafterTargetMismatchError
+
+logger = logging.get_logger(__name__)
 
 DEFAULT_TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 FINGERPRINT_FILE = "dflash2_adapter.json"
@@ -40,11 +45,33 @@ class AdapterMismatchError(DrafterTargetMismatchError):
     """The LoRA adapter was trained for a different drafter."""
 
 
+def base_weights_digest(drafter) -> str:
+    """sha256 (16 hex digits) of the base drafter's weights, LoRA layers excluded.
+
+    Tensors are hashed in name order after a cast to bfloat16, so the same drafter gives the same digest whether it
+    is loaded in float32 or bfloat16 (a bf16 checkpoint upcast for training round-trips exactly); wrapped
+    (``...base_layer.weight``) and plain names hash alike.
+    """
+    import torch
+
+    h = hashlib.sha256()
+    state = drafter.state_dict()
+    for name in sorted(state):
+        if "lora_" in name:
+            continue
+        tensor = state[name].detach()
+        h.update(name.replace(".base_layer", "").encode())
+        if tensor.is_floating_point():
+            tensor = tensor.to(torch.bfloat16).view(torch.int16)
+        h.update(tensor.cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
 def drafter_fingerprint(drafter) -> dict:
-    """Shape/binding fields of the base drafter an adapter depends on, plus their hash."""
+    """Shape/binding fields of the base drafter an adapter depends on, their hash, and the weights' digest."""
     fields = {k: getattr(drafter.config, k) for k in _FINGERPRINT_FIELDS}
     digest = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
-    return {"fields": fields, "sha256_16": digest}
+    return {"fields": fields, "sha256_16": digest, "weights_sha256_16": base_weights_digest(drafter)}
 
 
 def lora_config(r: int = 16, alpha: int = 32, dropout: float = 0.0, target_modules: list[str] | None = None) -> LoraConfig:
@@ -73,11 +100,20 @@ def save_adapter(model: PeftModel, save_directory: str | os.PathLike) -> None:
     Path(save_directory, FINGERPRINT_FILE).write_text(json.dumps(fingerprint, indent=2, sort_keys=True))
 
 
-def load_adapter(drafter, adapter_path: str | os.PathLike, is_trainable: bool = False) -> PeftModel:
+def load_adapter(drafter, adapter_path: str | os.PathLike, is_trainable: bool = False,
+                 strict: bool = True) -> PeftModel:
     """``PeftModel.from_pretrained`` after checking the adapter was trained for this drafter.
 
+    Args:
+        drafter: the base :class:`~dflash2_hf.DFlash2DraftModel` (any dtype).
+        adapter_path: a folder written by :func:`save_adapter` (or ``dflash2 train --lora``).
+        is_trainable: load the adapter for further training.
+        strict: refuse an adapter whose base weights digest differs from ``drafter``'s (same shapes, other
+            weights). ``False`` only logs a warning.
+
     Raises:
-        AdapterMismatchError: the adapter's fingerprint names another drafter (the differing fields are listed).
+        AdapterMismatchError: the adapter's fingerprint names another drafter (the differing fields are listed),
+            or (``strict``) other base weights of the same shapes.
     """
     path = Path(adapter_path)
     stored = path / FINGERPRINT_FILE
@@ -91,6 +127,16 @@ def load_adapter(drafter, adapter_path: str | os.PathLike, is_trainable: bool = 
                 f"The LoRA adapter in {str(path)!r} was trained for another drafter ({listing}). Load the drafter it "
                 "was trained on (see adapter_config.json: base_model_name_or_path) or train a new adapter."
             )
+        expected_digest = json.loads(stored.read_text()).get("weights_sha256_16")
+        actual_digest = base_weights_digest(drafter) if expected_digest else None
+        if expected_digest and expected_digest != actual_digest:
+            message = (f"The LoRA adapter in {str(path)!r} was trained on other base weights (base digest "
+                       f"{expected_digest}, this drafter {actual_digest}; same shapes, so probably another release "
+                       "or checkpoint of the drafter). Load the drafter it was trained on (adapter_config.json: "
+                       "base_model_name_or_path) or pass strict=False to use it anyway.")
+            if strict:
+                raise AdapterMismatchError(message)
+            logger.warning(message)
     return PeftModel.from_pretrained(drafter, str(path), is_trainable=is_trainable)
 
 

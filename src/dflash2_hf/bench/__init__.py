@@ -44,8 +44,22 @@ def load_drafter(spec: str, target, dtype: torch.dtype | None = None, **fresh_ov
     return drafter.to(device=param.device, dtype=dtype).eval()
 
 
+def load_adapted_drafter(spec: str, adapter_path: str | os.PathLike, target, dtype: torch.dtype | None = None):
+    """The drafter ``spec`` (see :func:`load_drafter`) with the LoRA adapter at ``adapter_path`` merged into it
+    (``merge_and_unload``: no adapter overhead when drafting), in eval mode on the target's device.
+
+    Raises:
+        dflash2_hf.lora.AdapterMismatchError: the adapter was trained for another drafter.
+    """
+    from ..lora import load_adapter
+
+    base = load_drafter(spec, target, dtype=dtype)
+    return load_adapter(base, adapter_path).merge_and_unload().eval()
+
+
 def run_benchmark(target, drafter, prompts: dict[str, list[Prompt]], settings: BenchSettings | None = None,
-                  out_dir: str | os.PathLike | None = None, meta: dict | None = None, plots: bool = True) -> dict:
+                  out_dir: str | os.PathLike | None = None, meta: dict | None = None, plots: bool = True,
+                  adapted_drafter=None) -> dict:
     """Runs the benchmark and (with ``out_dir``) writes ``results.json``, ``results.md`` and the PNG plots.
 
     Args:
@@ -56,6 +70,8 @@ def run_benchmark(target, drafter, prompts: dict[str, list[Prompt]], settings: B
         settings: :class:`BenchSettings` (default: all methods, greedy, 128 new tokens).
         out_dir: where to write the files (nothing is written when None).
         meta: free description stored in ``results["meta"]`` (target / drafter names, dtype, ...).
+        adapted_drafter: the drafter of the ``dflash2_adapter`` method (the same drafter with a LoRA adapter
+            merged, see :func:`load_adapted_drafter`); needed only when that method is selected.
 
     Returns:
         The ``results.json`` content: ``settings``, ``meta``, ``environment`` (versions, machine), ``prompts``
@@ -73,7 +89,7 @@ def run_benchmark(target, drafter, prompts: dict[str, list[Prompt]], settings: B
             "use_candidate_selector", "selector_top_k", "selector_rank", "mask_token_id")})
     meta.setdefault("dtype", str(next(target.parameters()).dtype).replace("torch.", ""))
     env = environment(target)
-    records, run_info = run_methods(target, drafter, prompts, settings)
+    records, run_info = run_methods(target, drafter, prompts, settings, adapted_drafter=adapted_drafter)
     env["machine"]["load_average_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
     block_size = drafter.config.block_size if drafter is not None else None
     results = {
@@ -95,6 +111,6 @@ def run_benchmark(target, drafter, prompts: dict[str, list[Prompt]], settings: B
 
 __all__ = [
     "ALL", "BenchSettings", "ForwardRecorder", "METHODS", "METHOD_DESCRIPTIONS", "Prompt", "RawRecord",
-    "aggregate", "environment", "generate_once", "load_bench_prompts", "load_drafter", "markdown",
+    "aggregate", "environment", "generate_once", "load_adapted_drafter", "load_bench_prompts", "load_drafter", "markdown",
     "per_position_rates", "plot", "records_to_json", "run_benchmark", "run_methods", "write_outputs",
 ]

@@ -189,6 +189,12 @@ def markdown(results: dict) -> str:
            f"{(env['machine'].get('load_average_end') or [float('nan')])[0]:.1f} at end"
            if env["machine"].get("load_average") else ""),
     ]
+    if meta.get("adapter"):
+        size = (f" ({meta['adapter_bytes'] / 1e6:.2f} MB" + (
+            f" = {100 * meta['adapter_bytes'] / meta['drafter_bytes']:.1f}% of the drafter's "
+            f"{meta['drafter_bytes'] / 1e6:.1f} MB" if meta.get("drafter_bytes") else "") + ")"
+            if meta.get("adapter_bytes") else "")
+        lines.append(f"- LoRA adapter (method `dflash2_adapter`): `{meta['adapter']}`{size}")
     warning = load_warning(env)
     if warning:
         lines.append(f"- **{warning}**")

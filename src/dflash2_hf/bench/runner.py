@@ -15,9 +15,9 @@ import torch
 
 from .recorder import ForwardRecorder
 
-METHODS = ("plain", "prompt_lookup", "builtin_dflash", "dflash2_top1", "dflash2")
-DRAFTER_METHODS = ("builtin_dflash", "dflash2_top1", "dflash2")
-STATS_METHODS = ("dflash2_top1", "dflash2")  # methods that fill drafter.generation_stats
+METHODS = ("plain", "prompt_lookup", "builtin_dflash", "dflash2_top1", "dflash2", "dflash2_adapter")
+DRAFTER_METHODS = ("builtin_dflash", "dflash2_top1", "dflash2", "dflash2_adapter")
+STATS_METHODS = ("dflash2_top1", "dflash2", "dflash2_adapter")  # methods that fill drafter.generation_stats
 
 METHOD_DESCRIPTIONS = {
     "plain": "target.generate() without speculation",
@@ -27,6 +27,8 @@ METHOD_DESCRIPTIONS = {
     "dflash2_top1": "target.generate(assistant_model=drafter) with drafter.use_selector=False (DFlash2 loop, top-1 "
                     "path)",
     "dflash2": "target.generate(assistant_model=drafter) (DFlash2 loop with the candidate selector)",
+    "dflash2_adapter": "target.generate(assistant_model=adapted) with the same drafter plus a LoRA adapter, merged "
+                       "(DFlash2 loop with the candidate selector)",
 }
 
 
@@ -153,16 +155,29 @@ class RawRecord:
     output_ids: list = field(default_factory=list)
 
 
-def run_methods(target, drafter, prompts: dict, settings: BenchSettings) -> tuple[list[RawRecord], dict]:
+def run_methods(target, drafter, prompts: dict, settings: BenchSettings,
+                adapted_drafter=None) -> tuple[list[RawRecord], dict]:
     """Runs every method on every prompt (interleaved, rotated order); returns the raw records and run info.
 
-    ``prompts``: ``{dataset name: [Prompt, ...]}`` (see :mod:`.prompts`).
+    ``prompts``: ``{dataset name: [Prompt, ...]}`` (see :mod:`.prompts`). ``adapted_drafter``: the drafter of the
+    ``dflash2_adapter`` method (``drafter`` + a LoRA adapter, merged: :func:`dflash2_hf.lora.load_adapter` then
+    ``merge_and_unload()``), so base and adapted drafters are compared side by side on the same prompts.
+
+    Raises:
+        ValueError: a drafter method without its drafter, or no prompts.
     """
     methods = settings.methods
-    if any(m in DRAFTER_METHODS for m in methods) and drafter is None:
+    if any(m in DRAFTER_METHODS and m != "dflash2_adapter" for m in methods) and drafter is None:
         raise ValueError(f"methods {[m for m in methods if m in DRAFTER_METHODS]} need a drafter")
-    if drafter is not None:
-        drafter.check_target(target)
+    if "dflash2_adapter" in methods and adapted_drafter is None:
+        raise ValueError("method dflash2_adapter needs adapted_drafter (dflash2 bench --adapter PATH)")
+    for d in (drafter, adapted_drafter):
+        if d is not None:
+            d.check_target(target)
+
+    def drafter_for(method: str):
+        return adapted_drafter if method == "dflash2_adapter" else drafter
+
     device = next(target.parameters()).device
     flat = [(name, p) for name, plist in prompts.items() for p in plist]
     if not flat:
@@ -183,7 +198,7 @@ def run_methods(target, drafter, prompts: dict, settings: BenchSettings) -> tupl
                     if progress is not None:
                         progress.set_postfix_str(f"warm-up {method}")
                     torch.manual_seed(settings.seed)
-                    _, seconds, _ = generate_once(target, drafter, method, ids, settings,
+                    _, seconds, _ = generate_once(target, drafter_for(method), method, ids, settings,
                                                   min(settings.warmup_tokens, settings.max_new_tokens))
                     info["warmup_seconds"][method] = seconds
                     if progress is not None:
@@ -199,7 +214,7 @@ def run_methods(target, drafter, prompts: dict, settings: BenchSettings) -> tupl
                         progress.set_postfix_str(f"{dataset}#{prompt.prompt_id} {method}")
                     torch.manual_seed(settings.seed + index)
                     recorder.reset()
-                    new_ids, seconds, stats = generate_once(target, drafter, method, ids, settings)
+                    new_ids, seconds, stats = generate_once(target, drafter_for(method), method, ids, settings)
                     n_new = int(new_ids.numel())
                     forwards = recorder.summary(prompt.num_tokens, n_new, settings.max_new_tokens)
                     outputs[method] = new_ids.tolist()

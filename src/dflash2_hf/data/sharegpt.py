@@ -192,6 +192,18 @@ def first_human_turn(record: dict) -> str | None:
     return None
 
 
+def has_code_block(record: dict, turns: int = 2) -> bool:
+    """True when one of the first ``turns`` turns of a ShareGPT record holds a fenced code block (Markdown ```).
+
+    The default looks at the first human turn and the original answer to it: a conversation whose first answer
+    was code asks for code, which is what the target will regenerate (the code domain of ``--only-code``).
+    """
+    convs = record.get("conversations") if isinstance(record, dict) else None
+    if not isinstance(convs, list):
+        return False
+    return any(isinstance(t, dict) and isinstance(t.get("value"), str) and "```" in t["value"] for t in convs[:turns])
+
+
 def sharegpt_prompts(start: int = DEV_RANGE[0], stop: int = DEV_RANGE[1], path: str | Path | None = None,
                      allow_heldout: bool = False) -> list[tuple[int, str]]:
     """Evaluation prompts: ``[(record_id, first human turn text), ...]`` for records in ``[start, stop)``.
@@ -208,4 +220,5 @@ def sharegpt_prompts(start: int = DEV_RANGE[0], stop: int = DEV_RANGE[1], path: 
 
 
 __all__ = ["TRAIN_RANGE", "DEV_RANGE", "HELDOUT_START", "ShareGPTReader", "iter_sharegpt", "sharegpt_prompts",
-           "count_sharegpt_records", "sharegpt_path", "check_range", "first_human_turn"]
+           "count_sharegpt_records", "sharegpt_path", "check_range", "first_human_turn",
+           "has_code_block"]
