@@ -36,6 +36,20 @@ def test_model_card_metadata(targets):
     assert "5 steps on nothing." in card.text and "| tau | 1.00 |" in card.text
 
 
+def test_adapter_card_metadata():
+    from dflash2_hf.hub import build_adapter_card
+    from dflash2_hf.lora import lora_config
+
+    card = build_adapter_card(lora_config(r=8), base_drafter="org/drafter", target="HuggingFaceTB/SmolLM2-135M-Instruct",
+                              repo_id="org/drafter-code-lora", purpose="Adapts it to code.",
+                              datasets=["anon8231489123/ShareGPT_Vicuna_unfiltered"], recipe="r.", results="| tau | 2 |")
+    meta = yaml.safe_load(str(card).split("---")[1])
+    assert meta["base_model"] == "org/drafter" and meta["library_name"] == "peft"
+    assert {"lora", "dflash2"} <= set(meta["tags"]) and meta["license"] == "apache-2.0"
+    assert 'load_adapter(draft, "org/drafter-code-lora")' in card.text
+    assert "rank 8" in card.text and "`q_proj`" in card.text and "| tau | 2 |" in card.text
+
+
 def test_push_to_hub_uploads_weights_config_and_card(targets, monkeypatch, tmp_path):
     """No network here: HfApi is replaced by a recorder that keeps a copy of the uploaded folder."""
     uploaded = {}

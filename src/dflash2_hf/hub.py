@@ -9,6 +9,9 @@ with it; a drafter without one gets a card built from its config that says no nu
 Upload of the shipped drafter folder from the command line (``huggingface_hub`` CLI)::
 
     hf upload YOUR_ORG/dflash2-smollm2-135m-instruct model_cards/dflash2-smollm2-135m-instruct .
+
+LoRA adapters (:mod:`dflash2_hf.lora`) get their own card (:func:`build_adapter_card`, metadata ``library_name:
+peft`` and ``base_model`` = the drafter's Hub id) and are uploaded the same way, or with ``PeftModel.push_to_hub``.
 """
 
 from __future__ import annotations
@@ -85,6 +88,78 @@ def build_model_card(
         drafts=c.block_size - 1,
         layer_ids=list(c.target_layer_ids),
         extras=" and ".join(extras) or "neither local convolution nor selector (DFlash v1)",
+        repo_id=repo_id,
+        recipe=recipe,
+        results=results,
+    )
+    return ModelCard(f"---\n{data.to_yaml()}\n---\n{text}")
+
+
+_ADAPTER_TEMPLATE = """
+# {title}
+
+A **LoRA adapter** (`peft`) for the DFlash2 drafter [{base_drafter}](https://huggingface.co/{base_drafter}), which
+drafts for [{target}](https://huggingface.co/{target}). {purpose} Only the adapter is stored ({modules}, rank {r});
+load it on top of the base drafter with [`dflash2-hf`](https://pypi.org/project/dflash2-hf/):
+
+```python
+import dflash2_hf
+from dflash2_hf import DFlash2DraftModel
+from dflash2_hf.lora import load_adapter
+draft = DFlash2DraftModel.from_pretrained("{base_drafter}")
+draft = load_adapter(draft, "{repo_id}").merge_and_unload()   # or keep it unmerged
+out = target.generate(input_ids, assistant_model=draft, max_new_tokens=128)
+```
+
+`load_adapter` checks `dflash2_adapter.json` (base drafter shapes and a digest of its weights) and refuses an adapter
+trained for another drafter. Outputs stay identical to the target's own greedy decoding: only the drafts change.
+
+## Training recipe
+{recipe}
+
+## Measured results
+{results}
+"""
+
+
+def build_adapter_card(
+    peft_config,
+    *,
+    base_drafter: str,
+    target: str,
+    repo_id: str = "YOUR_ORG/dflash2-drafter-lora",
+    purpose: str = "",
+    datasets: list[str] | None = None,
+    license: str = "apache-2.0",
+    recipe: str = "Not recorded.",
+    results: str = "No numbers were measured for this adapter yet: run `dflash2 bench --adapter` and add them.",
+) -> ModelCard:
+    """A model card for a drafter's LoRA adapter: YAML metadata (``library_name: peft``, ``base_model`` = the base
+    drafter's Hub id, datasets, license, tags) + usage, recipe and results.
+
+    Args:
+        peft_config: the adapter's ``peft.LoraConfig`` (rank and target modules are printed).
+        base_drafter: Hub id of the drafter the adapter was trained on.
+        target: Hub id of the target that drafter serves.
+        purpose: one sentence on what the adapter is for (e.g. the domain).
+        recipe, results: Markdown; ``results`` must hold numbers you measured, with the command that produced them.
+    """
+    modules = sorted(peft_config.target_modules) if peft_config.target_modules else []
+    data = ModelCardData(
+        base_model=base_drafter,
+        library_name="peft",
+        datasets=datasets or [],
+        license=license,
+        tags=CARD_TAGS + ["lora", "peft"],
+        pipeline_tag="text-generation",
+    )
+    text = _ADAPTER_TEMPLATE.format(
+        title=f"LoRA adapter for {base_drafter.split('/')[-1]}",
+        base_drafter=base_drafter,
+        target=target,
+        purpose=purpose,
+        modules="LoRA on " + ", ".join(f"`{m}`" for m in modules) if modules else "LoRA",
+        r=peft_config.r,
         repo_id=repo_id,
         recipe=recipe,
         results=results,

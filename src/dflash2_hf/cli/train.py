@@ -113,7 +113,8 @@ def add_lora_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--lora-target-modules", default=None,
                    help="comma-separated module names (default: q/k/v/o and gate/up/down projections)")
     g.add_argument("--only-code", action="store_true",
-                   help="train only on records whose conversation contains a fenced code block (a code domain)")
+                   help="train (and --eval-data: evaluate) only on records whose conversation contains a fenced "
+                        "code block (a code domain)")
 
 
 def wrap_model(drafter, args: argparse.Namespace):
@@ -290,7 +291,11 @@ def run(args: argparse.Namespace) -> int:
 
     eval_dataset = None
     if args.eval_data:
-        eval_records = load_training_records(args.eval_data, max_records=args.eval_max_records, train_only=False)
+        eval_records = load_training_records(args.eval_data, max_records=None if args.only_code else
+                                             args.eval_max_records, train_only=False)
+        if args.only_code:  # evaluate on the same domain as the training data
+            eval_records = [r for r in eval_records if is_code_record(tokenizer, r)][:args.eval_max_records]
+            logger.info("--only-code: %d held-out records with a fenced code block", len(eval_records))
         train_ids = {r["record_id"] for r in records}
         if any(r["record_id"] in train_ids for r in eval_records):
             logger.error("--eval-data shares record ids with --data: evaluation must use held-out records")
