@@ -51,3 +51,16 @@ def test_prepare_train_lora_generate(tmp_path, monkeypatch):
     ref = target.generate(ids, max_new_tokens=12, do_sample=False)
     for assistant in (drafter, adapted, adapted.merge_and_unload()):
         assert torch.equal(ref, target.generate(ids, assistant_model=assistant, max_new_tokens=12, do_sample=False))
+
+    # the side-by-side benchmark of base vs adapted drafter, through the command line
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("hello there", "how are you")))
+    out = tmp_path / "bench"
+    assert main(["bench", "--target", t, "--drafter", str(tmp_path / "drafter"), "--adapter", str(tmp_path / "adapter"),
+                 "--datasets", str(prompts), "--num-prompts", "2", "--max-new-tokens", "8", "--methods",
+                 "plain,dflash2", "--out", str(out), "--no-plots", "--no-progress", "--no-warmup"]) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert results["settings"]["methods"] == ["plain", "dflash2", "dflash2_adapter"]
+    assert results["meta"]["adapter_bytes"] > 0 and results["meta"]["drafter_bytes"] > results["meta"]["adapter_bytes"]
+    assert all(r["identical_to_plain"] for r in results["records"])
+    assert "LoRA adapter (method `dflash2_adapter`)" in (out / "results.md").read_text()

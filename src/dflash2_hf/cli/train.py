@@ -207,17 +207,29 @@ def build_drafter(args: argparse.Namespace, target, resume_from: str | None):
     return drafter.float().train()
 
 
-def _eval_only(args, target, drafter, progress) -> int:
+def load_eval_records(args: argparse.Namespace, tokenizer) -> list[dict]:
+    """The first ``--eval-max-records`` records of ``--eval-data`` (with ``--only-code``: of its code records, so the
+    evaluation is in the training domain)."""
+    from ..training import load_training_records
+
+    recs = load_training_records(args.eval_data, max_records=None if args.only_code else args.eval_max_records,
+                                 train_only=False)
+    if args.only_code:
+        recs = [r for r in recs if is_code_record(tokenizer, r)][:args.eval_max_records]
+        logger.info("--only-code: %d held-out records with a fenced code block", len(recs))
+    return recs
+
+
+def _eval_only(args, target, drafter, progress, tokenizer) -> int:
     import torch
 
-    from ..training import BlockCollator, FeatureCache, FeatureDataset, evaluate_blocks, freeze_target, \
-        load_training_records
+    from ..training import BlockCollator, FeatureCache, FeatureDataset, evaluate_blocks, freeze_target
 
     if not args.eval_data:
         logger.error("--eval-only needs --eval-data")
         return 2
     cfg = drafter.config
-    recs = load_training_records(args.eval_data, max_records=args.eval_max_records, train_only=False)
+    recs = load_eval_records(args, tokenizer)
     cache = FeatureCache(args.features_dir or default_features_root(args.eval_data), args.target, cfg.target_layer_ids)
     cache.build(target, recs, max_length=args.max_length, compute_dtype=getattr(torch, args.feature_dtype),
                 progress=progress)
@@ -263,7 +275,7 @@ def run(args: argparse.Namespace) -> int:
                 f" (resumed from {resume_from})" if resume_from else "")
 
     if args.eval_only:
-        return _eval_only(args, target, drafter, progress)
+        return _eval_only(args, target, drafter, progress, tokenizer)
 
     # ---- target features (computed once, reused by every run)
     def load_records():
@@ -291,11 +303,7 @@ def run(args: argparse.Namespace) -> int:
 
     eval_dataset = None
     if args.eval_data:
-        eval_records = load_training_records(args.eval_data, max_records=None if args.only_code else
-                                             args.eval_max_records, train_only=False)
-        if args.only_code:  # evaluate on the same domain as the training data
-            eval_records = [r for r in eval_records if is_code_record(tokenizer, r)][:args.eval_max_records]
-            logger.info("--only-code: %d held-out records with a fenced code block", len(eval_records))
+        eval_records = load_eval_records(args, tokenizer)
         train_ids = {r["record_id"] for r in records}
         if any(r["record_id"] in train_ids for r in eval_records):
             logger.error("--eval-data shares record ids with --data: evaluation must use held-out records")
