@@ -64,3 +64,16 @@ def test_prepare_train_lora_generate(tmp_path, monkeypatch):
     assert results["meta"]["adapter_bytes"] > 0 and results["meta"]["drafter_bytes"] > results["meta"]["adapter_bytes"]
     assert all(r["identical_to_plain"] for r in results["records"])
     assert "LoRA adapter (method `dflash2_adapter`)" in (out / "results.md").read_text()
+
+    # a code-domain set: prepare-data --only-code, then a LoRA run on all of it (--only-code keeps such a folder whole)
+    assert main(["prepare-data", "--target", t, "--out", str(tmp_path / "code"), "--start", "0", "--stop", "20",
+                 "--only-code", "--batch-size", "4", "--max-new-tokens", "8", "--max-prompt-tokens", "4000",
+                 "--no-progress"]) == 0
+    code_meta = json.load(open(tmp_path / "code" / "meta.json"))
+    assert code_meta["source"]["filter"] == "code" and code_meta["counts"]["skipped"]["filtered_out"] >= 10
+    kept = code_meta["counts"]["kept"]
+    assert kept >= 2
+    assert main(["train", *common[:2], "--data", str(tmp_path / "code"), *common[4:], "--output",
+                 str(tmp_path / "code-lora"), "--init", str(tmp_path / "drafter"), "--lora", "--only-code",
+                 "--max-steps", "2"]) == 0
+    assert json.load(open(tmp_path / "code-lora" / "training_summary.json"))["sequences"] == kept

@@ -114,7 +114,7 @@ def add_lora_arguments(parser: argparse.ArgumentParser) -> None:
                    help="comma-separated module names (default: q/k/v/o and gate/up/down projections)")
     g.add_argument("--only-code", action="store_true",
                    help="train (and --eval-data: evaluate) only on records whose conversation contains a fenced "
-                        "code block (a code domain)")
+                        "code block (a code domain); a --data folder made by prepare-data --only-code is used whole")
 
 
 def wrap_model(drafter, args: argparse.Namespace):
@@ -278,13 +278,21 @@ def run(args: argparse.Namespace) -> int:
         return _eval_only(args, target, drafter, progress, tokenizer)
 
     # ---- target features (computed once, reused by every run)
+    from ..data import read_meta
+
+    # a folder built by `prepare-data --only-code` is code-domain as a whole (its records were chosen by the original
+    # conversation; the target's own answer need not hold a fenced block), so --only-code keeps all of it
+    code_folder = (args.only_code and os.path.isfile(os.path.join(args.data, "meta.json"))
+                   and read_meta(args.data).get("source", {}).get("filter") == "code")
+
     def load_records():
         recs = load_training_records(args.data, max_records=args.max_records)
-        return [r for r in recs if is_code_record(tokenizer, r)] if args.only_code else recs
+        return [r for r in recs if is_code_record(tokenizer, r)] if args.only_code and not code_folder else recs
 
     records = load_records()
     if args.only_code:
-        logger.info("--only-code: %d records with a fenced code block", len(records))
+        logger.info("--only-code: %d records %s", len(records), "(a prepare-data --only-code folder, all kept)"
+                    if code_folder else "with a fenced code block")
     feat_root = args.features_dir or default_features_root(args.data)
     cache = FeatureCache(feat_root, args.target, cfg.target_layer_ids)
     budget = None if args.feature_time_budget is None else args.feature_time_budget * 60
