@@ -77,3 +77,12 @@ def test_prepare_train_lora_generate(tmp_path, monkeypatch):
                  str(tmp_path / "code-lora"), "--init", str(tmp_path / "drafter"), "--lora", "--only-code",
                  "--max-steps", "2"]) == 0
     assert json.load(open(tmp_path / "code-lora" / "training_summary.json"))["sequences"] == kept
+
+    # the user's own conversations (a ShareGPT-format file) instead of the packaged ShareGPT
+    own = tmp_path / "own.json"
+    own.write_text(json.dumps([{"id": f"c{i}", "conversations": [{"from": "human", "value": f"question {i}"}]}
+                               for i in range(3)]))
+    assert main(["prepare-data", "--target", t, "--source", str(own), "--out", str(tmp_path / "own"), "--stop", "3",
+                 "--batch-size", "2", "--max-new-tokens", "4", "--no-progress"]) == 0
+    own_meta = json.load(open(tmp_path / "own" / "meta.json"))
+    assert own_meta["counts"]["kept"] == 3 and own_meta["source"]["path"] == str(own)

@@ -23,6 +23,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", default="smollm2",
                         help="target alias (smollm2, gemma3-270m) or a local transformers folder (default: smollm2)")
     parser.add_argument("--out", required=True, help="output folder (resumed if it already holds a run)")
+    parser.add_argument("--source", default=None,
+                        help="a ShareGPT-format JSON array file (your own conversations: a list of {\"id\", "
+                             "\"conversations\": [{\"from\": \"human\"|\"gpt\"|\"system\", \"value\"}]}) instead of the "
+                             "packaged ShareGPT; record ids are the indexes in the array")
     parser.add_argument("--start", type=int, default=0, help="first ShareGPT record (default 0)")
     parser.add_argument("--stop", type=int, default=16000, help="end of the record range, exclusive (default 16000; "
                         "records from 17000 on are held out)")
@@ -69,6 +73,6 @@ def run(args: argparse.Namespace) -> int:
                           sort_window=args.sort_window, num_threads=args.num_threads, max_batches=args.max_batches,
                           progress=not args.no_progress, note=note,
                           cache_implementation=None if args.cache_implementation == "dynamic" else "static",
-                          record_filter="code" if args.only_code else None)
+                          record_filter="code" if args.only_code else None, source_path=args.source)
     print(json.dumps(counts, indent=2, default=str))
     return 0

@@ -1,0 +1,76 @@
+"""Builds a code-completion prompt set from the Python standard library, in ShareGPT format.
+
+Each prompt asks to complete one documented stdlib function given its signature and docstring (body removed):
+"Complete the following Python function:" + a fenced code block, the same instruction wording `dflash2 bench` uses
+for HumanEval prompts. The functions come from the standard library of the running Python (no download, no
+HumanEval). Feed the file to `dflash2 prepare-data --source` so the TARGET writes the answers:
+
+    python examples/make_stdlib_code_prompts.py --out data/stdlib-code-prompts.json --max-prompts 1500
+    dflash2 prepare-data --target smollm2 --source data/stdlib-code-prompts.json --out data/smollm2-stdlib-code \\
+        --start 0 --stop 1500 --batch-size 64 --max-new-tokens 192
+
+Functions are taken in a fixed, shuffled order (seed 0); private names, methods, functions with a docstring shorter
+than 40 characters and duplicate names are skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import random
+import sys
+import sysconfig
+from pathlib import Path
+
+from dflash2_hf.data.humaneval import HUMANEVAL_INSTRUCTION
+
+
+def function_stubs(path: Path):
+    """``(name, stub source)`` for each documented top-level public function of one module file."""
+    try:
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+    except (SyntaxError, UnicodeDecodeError, ValueError):
+        return
+    for node in tree.body:
+        if not isinstance(node, ast.FunctionDef) or node.name.startswith("_"):
+            continue
+        doc = ast.get_docstring(node, clean=True)
+        if not doc or len(doc) < 40:
+            continue
+        node.body = [ast.Expr(ast.Constant(doc))]
+        node.decorator_list = []
+        stub = ast.unparse(node)
+        # ast.unparse writes the docstring as one repr() line; re-indent it as a normal triple-quoted block
+        header = stub.split("\n", 1)[0]
+        body = "\n".join(("    " + line) if line else "" for line in doc.splitlines())
+        yield node.name, f'{header}\n    """\n{body}\n    """\n'
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True, help="output JSON array (ShareGPT format)")
+    parser.add_argument("--max-prompts", type=int, default=1500)
+    parser.add_argument("--max-chars", type=int, default=1500, help="skip stubs longer than this")
+    args = parser.parse_args()
+
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(p for p in stdlib.rglob("*.py") if "site-packages" not in p.parts and "test" not in p.parts
+                   and "tests" not in p.parts and "idlelib" not in p.parts)
+    seen, stubs = set(), []
+    for path in files:
+        for name, stub in function_stubs(path):
+            if name in seen or len(stub) > args.max_chars:
+                continue
+            seen.add(name)
+            stubs.append((f"{path.relative_to(stdlib)}:{name}", stub))
+    random.Random(0).shuffle(stubs)
+    records = [{"id": sid, "conversations": [{"from": "human", "value": HUMANEVAL_INSTRUCTION.format(prompt=stub)}]}
+               for sid, stub in stubs[: args.max_prompts]]
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(records, indent=0), encoding="utf-8")
+    print(f"wrote {len(records)} prompts from {len(files)} stdlib files (Python {sys.version.split()[0]}) to {args.out}")
+
+
+if __name__ == "__main__":
+    main()
