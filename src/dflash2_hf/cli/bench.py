@@ -111,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
             "drafter_dtype": args.drafter_dtype or args.dtype,
             "datasets": _csv(args.datasets), "skipped_prompts_too_long": skipped,
             "max_prompt_tokens": args.max_prompt_tokens or None, "raw_prompts": args.raw_prompts,
-            "command": "dflash2 bench " + " ".join(sys.argv[1:]) if sys.argv else None}
+            "command": "dflash2 " + " ".join(sys.argv[1:]) if sys.argv else None}
     if args.adapter:
         from ..lora import adapter_size_bytes, checkpoint_size_bytes
 
