@@ -73,10 +73,31 @@ def test_prepare_train_lora_generate(tmp_path, monkeypatch):
     assert code_meta["source"]["filter"] == "code" and code_meta["counts"]["skipped"]["filtered_out"] >= 10
     kept = code_meta["counts"]["kept"]
     assert kept >= 2
-    assert main(["train", *common[:2], "--data", str(tmp_path / "code"), *common[4:], "--output",
-                 str(tmp_path / "code-lora"), "--init", str(tmp_path / "drafter"), "--lora", "--only-code",
-                 "--max-steps", "2"]) == 0
+    code_common = [*common[:2], "--data", str(tmp_path / "code"), *common[4:6], *common[8:]]
+    assert main(["train", *code_common, "--output", str(tmp_path / "code-lora"), "--init", str(tmp_path / "drafter"),
+                 "--lora", "--only-code", "--max-steps", "2", "--save-steps", "1"]) == 0
     assert json.load(open(tmp_path / "code-lora" / "training_summary.json"))["sequences"] == kept
+    assert (tmp_path / "code-lora" / "checkpoint-1" / "dflash2_adapter.json").is_file()  # checkpoints load checked
+
+    # --eval-only --lora evaluates base + adapter; --only-code keeps a code folder whole for evaluation too
+    import dflash2_hf.training as training
+    from peft import PeftModel
+
+    seen = {}
+    real = training.evaluate_blocks
+
+    def spy(drafter, *a, **k):
+        seen["drafter"] = drafter
+        out = real(drafter, *a, **k)
+        seen["sequences"] = out["sequences"]
+        return out
+
+    monkeypatch.setattr(training, "evaluate_blocks", spy)
+    assert main(["train", *code_common, "--output", str(tmp_path / "code-lora"), "--init", str(tmp_path / "drafter"),
+                 "--lora", "--only-code", "--eval-only", "--eval-data", str(tmp_path / "code")]) == 0
+    assert isinstance(seen["drafter"], PeftModel) and seen["sequences"] == kept
+    assert main(["train", *code_common, "--output", str(tmp_path / "nothing"), "--init", str(tmp_path / "drafter"),
+                 "--lora", "--eval-only", "--eval-data", str(tmp_path / "code")]) == 2  # no adapter there: refused
 
     # the user's own conversations (a ShareGPT-format file) instead of the packaged ShareGPT
     own = tmp_path / "own.json"
@@ -86,3 +107,19 @@ def test_prepare_train_lora_generate(tmp_path, monkeypatch):
                  "--batch-size", "2", "--max-new-tokens", "4", "--no-progress"]) == 0
     own_meta = json.load(open(tmp_path / "own" / "meta.json"))
     assert own_meta["counts"]["kept"] == 3 and own_meta["source"]["path"] == str(own)
+    assert own_meta["source"]["dataset"] == "own.json"
+    other = tmp_path / "other.json"  # chat-template role names are accepted too
+    other.write_text(json.dumps([{"conversations": [{"from": "user", "value": "hi"}, {"from": "assistant",
+                                                                                    "value": "hello"}]}]))
+    args = ["--target", t, "--stop", "3", "--batch-size", "2", "--max-new-tokens", "4", "--no-progress"]
+    assert main(["prepare-data", *args, "--source", str(other), "--out", str(tmp_path / "own")]) == 2  # other file
+    assert main(["prepare-data", *args, "--source", str(other), "--out", str(tmp_path / "other")]) == 0
+    assert json.load(open(tmp_path / "other" / "meta.json"))["counts"]["kept"] == 1
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"not": "an array"}')
+    assert main(["prepare-data", *args, "--source", str(bad), "--out", str(tmp_path / "bad-out")]) == 2
+    assert main(["prepare-data", *args, "--source", str(tmp_path / "nope.json"), "--out", str(tmp_path / "x")]) == 2
+    assert not (tmp_path / "bad-out").exists() and not (tmp_path / "x").exists()  # nothing written
+    roles = tmp_path / "roles.json"
+    roles.write_text(json.dumps([{"conversations": [{"from": "bot", "value": "hi"}]}]))
+    assert main(["prepare-data", *args, "--source", str(roles), "--out", str(tmp_path / "roles")]) == 1  # 0 kept

@@ -96,3 +96,26 @@ def test_adapter_for_same_shaped_other_weights_is_refused(targets, tmp_path, cap
         load_adapter(other, tmp_path / "adapter")
     loaded = load_adapter(other, tmp_path / "adapter", strict=False)
     assert any("lora_A" in n for n, _ in loaded.named_parameters())
+
+
+def test_bad_adapter_folders_give_clear_errors(targets, tmp_path, caplog):
+    from dflash2_hf import CheckpointError
+
+    base = make_drafter(targets["llama"])
+    with pytest.raises(FileNotFoundError, match="adapter folder .* not found"):
+        load_adapter(base, tmp_path / "missing")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointError, match="adapter_config.json is missing"):
+        load_adapter(base, tmp_path / "empty")
+    save_adapter(add_lora(make_drafter(targets["llama"])), tmp_path / "good")
+    weights = tmp_path / "good" / "adapter_model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match="truncated or corrupt"):
+        load_adapter(make_drafter(targets["llama"]), tmp_path / "good")
+    # an adapter saved by plain peft (no fingerprint) loads, with a warning that nothing could be checked
+    plain = add_lora(make_drafter(targets["llama"]))
+    plain.save_pretrained(tmp_path / "plain")
+    with caplog.at_level("WARNING"):
+        assert load_adapter(make_drafter(targets["llama"]), tmp_path / "plain") is not None
+    assert "cannot check" in caplog.text

@@ -24,6 +24,15 @@ from huggingface_hub import HfApi, ModelCard, ModelCardData
 
 CARD_TAGS = ["dflash2", "speculative-decoding", "drafter", "block-diffusion"]
 
+
+def is_local_path(name_or_path: str | os.PathLike) -> bool:
+    """True when ``name_or_path`` names a local folder rather than a Hub id: it exists, starts with ``.``, ``/`` or
+    ``~``, or its first component is an existing folder (``runs/x`` with a ``runs/`` folder here). A missing local
+    folder can then fail at once with a clear message instead of a Hub lookup (and its retries when offline)."""
+    path = os.fspath(name_or_path)
+    first = path.split("/")[0]
+    return os.path.exists(path) or path.startswith((".", "/", "~")) or (first != path and os.path.isdir(first))
+
 _TEMPLATE = """
 # {title}
 

@@ -20,15 +20,17 @@ the same shapes, e.g. an older release, would load silently and draft worse; it 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import warnings
 import os
 from pathlib import Path
 
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers.utils import logging
 
-from .errors import DrafterTargetMismatchError
+from .errors import CheckpointError, DrafterTargetMismatchError
 
 logger = logging.get_logger(__name__)
 
@@ -67,6 +69,14 @@ def base_weights_digest(drafter) -> str:
     return h.hexdigest()[:16]
 
 
+@contextlib.contextmanager
+def _quiet_peft():
+    """Hides transformers' FutureWarning about `is_gradient_checkpointing`, which peft triggers (not actionable)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        yield
+
+
 def drafter_fingerprint(drafter) -> dict:
     """Shape/binding fields of the base drafter an adapter depends on, their hash, and the weights' digest."""
     fields = {k: getattr(drafter.config, k) for k in _FINGERPRINT_FIELDS}
@@ -88,16 +98,57 @@ def add_lora(drafter, config: LoraConfig | None = None) -> PeftModel:
     The returned ``PeftModel`` works directly as ``assistant_model=`` in ``target.generate`` (unmerged), and
     ``merge_and_unload()`` gives back a plain :class:`~dflash2_hf.DFlash2DraftModel`.
     """
-    model = get_peft_model(drafter, config or lora_config())
+    with _quiet_peft():
+        model = get_peft_model(drafter, config or lora_config())
     model.dflash2_fingerprint = drafter_fingerprint(drafter)
     return model
+
+
+def write_fingerprint(model: PeftModel, save_directory: str | os.PathLike) -> None:
+    """Writes ``dflash2_adapter.json`` (the base drafter's fingerprint) next to a saved adapter."""
+    fingerprint = drafter_fingerprint(model.get_base_model())
+    Path(save_directory, FINGERPRINT_FILE).write_text(json.dumps(fingerprint, indent=2, sort_keys=True))
 
 
 def save_adapter(model: PeftModel, save_directory: str | os.PathLike) -> None:
     """Saves ONLY the adapter (``adapter_model.safetensors`` + ``adapter_config.json``) and the base fingerprint."""
     model.save_pretrained(save_directory)
-    fingerprint = drafter_fingerprint(model.get_base_model())
-    Path(save_directory, FINGERPRINT_FILE).write_text(json.dumps(fingerprint, indent=2, sort_keys=True))
+    write_fingerprint(model, save_directory)
+
+
+def _stored_fingerprint(adapter_path: str | os.PathLike) -> dict | None:
+    """The adapter's ``dflash2_adapter.json``: from a local folder, or fetched from a Hub repo (cache-aware)."""
+    path = Path(adapter_path)
+    if path.exists():
+        stored = path / FINGERPRINT_FILE
+        return json.loads(stored.read_text()) if stored.is_file() else None
+    try:
+        from huggingface_hub import hf_hub_download
+
+        return json.loads(Path(hf_hub_download(str(adapter_path), FINGERPRINT_FILE)).read_text())
+    except Exception:  # no such file in the repo, offline without a cached copy, not a repo id at all
+        return None
+
+
+def _check_local_adapter_files(path: Path) -> None:
+    """Clear errors for a local adapter folder that is missing, incomplete, truncated or corrupt."""
+    if not path.exists():
+        raise FileNotFoundError(f"adapter folder {str(path)!r} not found: pass the output folder of "
+                                "`dflash2 train --lora` (adapter_config.json + adapter_model.safetensors) or a Hub id")
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        if not (path / name).is_file():
+            raise CheckpointError(f"{str(path)!r} is not a LoRA adapter folder: {name} is missing (expected the "
+                                  "output of `dflash2 train --lora` or `dflash2_hf.lora.save_adapter`)")
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path / "adapter_model.safetensors"), framework="pt") as f:
+            for key in f.keys():
+                f.get_slice(key)  # reads the header entry of every tensor; a truncated file fails here
+        json.loads((path / "adapter_config.json").read_text())
+    except Exception as err:
+        raise CheckpointError(f"the adapter in {str(path)!r} is truncated or corrupt ({err}); copy or train it "
+                              "again") from err
 
 
 def load_adapter(drafter, adapter_path: str | os.PathLike, is_trainable: bool = False,
@@ -114,11 +165,22 @@ def load_adapter(drafter, adapter_path: str | os.PathLike, is_trainable: bool = 
     Raises:
         AdapterMismatchError: the adapter's fingerprint names another drafter (the differing fields are listed),
             or (``strict``) other base weights of the same shapes.
+        FileNotFoundError: a local adapter folder does not exist.
+        CheckpointError: the folder lacks the adapter files, or they are truncated or corrupt.
+
+    An adapter without ``dflash2_adapter.json`` (saved by plain ``peft``) loads with a warning: nothing can be checked.
     """
+    from .hub import is_local_path
+
     path = Path(adapter_path)
-    stored = path / FINGERPRINT_FILE
-    if stored.is_file():
-        expected = json.loads(stored.read_text())["fields"]
+    if is_local_path(adapter_path):
+        _check_local_adapter_files(path)
+    fingerprint = _stored_fingerprint(adapter_path)
+    if fingerprint is None:
+        logger.warning(f"{str(adapter_path)!r} has no {FINGERPRINT_FILE}: cannot check that this adapter was trained "
+                       "for this drafter (save adapters with dflash2_hf.lora.save_adapter or `dflash2 train --lora`)")
+    else:
+        expected = fingerprint["fields"]
         actual = drafter_fingerprint(drafter)["fields"]
         diff = {k: (expected.get(k), actual[k]) for k in actual if expected.get(k) != actual[k]}
         if diff:
@@ -127,17 +189,19 @@ def load_adapter(drafter, adapter_path: str | os.PathLike, is_trainable: bool = 
                 f"The LoRA adapter in {str(path)!r} was trained for another drafter ({listing}). Load the drafter it "
                 "was trained on (see adapter_config.json: base_model_name_or_path) or train a new adapter."
             )
-        expected_digest = json.loads(stored.read_text()).get("weights_sha256_16")
+        expected_digest = fingerprint.get("weights_sha256_16")
         actual_digest = base_weights_digest(drafter) if expected_digest else None
         if expected_digest and expected_digest != actual_digest:
             message = (f"The LoRA adapter in {str(path)!r} was trained on other base weights (base digest "
                        f"{expected_digest}, this drafter {actual_digest}; same shapes, so probably another release "
                        "or checkpoint of the drafter). Load the drafter it was trained on (adapter_config.json: "
-                       "base_model_name_or_path) or pass strict=False to use it anyway.")
+                       "base_model_name_or_path), or accept it anyway: load_adapter(..., strict=False) in Python, "
+                       "`dflash2 bench --adapter-no-strict` on the command line.")
             if strict:
                 raise AdapterMismatchError(message)
             logger.warning(message)
-    return PeftModel.from_pretrained(drafter, str(path), is_trainable=is_trainable)
+    with _quiet_peft():
+        return PeftModel.from_pretrained(drafter, str(path), is_trainable=is_trainable)
 
 
 def adapter_size_bytes(path: str | os.PathLike) -> int:

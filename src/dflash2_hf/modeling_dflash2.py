@@ -498,9 +498,10 @@ class DFlash2DraftModel(DFlash2PreTrainedModel):
             CheckpointError: a weight file is truncated or corrupt, or weights are missing / of the wrong shape
                 (``transformers`` would otherwise initialise them randomly and only warn).
         """
+        from .hub import is_local_path
+
         path = os.fspath(pretrained_model_name_or_path)
-        first = path.split("/")[0]
-        if not os.path.exists(path) and (path.startswith((".", "/", "~")) or (first != path and os.path.isdir(first))):
+        if not os.path.exists(path) and is_local_path(path):
             raise FileNotFoundError(
                 f"No drafter folder at {path!r}. Pass an existing folder or a Hub id (org/name), build an untrained "
                 "one with DFlash2DraftModel.from_target(target) (CLI: --drafter fresh), or train one (dflash2 train)."

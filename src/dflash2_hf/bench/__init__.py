@@ -44,17 +44,20 @@ def load_drafter(spec: str, target, dtype: torch.dtype | None = None, **fresh_ov
     return drafter.to(device=param.device, dtype=dtype).eval()
 
 
-def load_adapted_drafter(spec: str, adapter_path: str | os.PathLike, target, dtype: torch.dtype | None = None):
+def load_adapted_drafter(spec: str, adapter_path: str | os.PathLike, target, dtype: torch.dtype | None = None,
+                         strict: bool = True):
     """The drafter ``spec`` (see :func:`load_drafter`) with the LoRA adapter at ``adapter_path`` merged into it
     (``merge_and_unload``: no adapter overhead when drafting), in eval mode on the target's device.
 
     Raises:
-        dflash2_hf.lora.AdapterMismatchError: the adapter was trained for another drafter.
+        dflash2_hf.lora.AdapterMismatchError: the adapter was trained for another drafter (``strict=False``: only
+            a warning when just the base weights differ).
+        FileNotFoundError, dflash2_hf.CheckpointError: no adapter there, or a truncated / corrupt one.
     """
     from ..lora import load_adapter
 
     base = load_drafter(spec, target, dtype=dtype)
-    return load_adapter(base, adapter_path).merge_and_unload().eval()
+    return load_adapter(base, adapter_path, strict=strict).merge_and_unload().eval()
 
 
 def run_benchmark(target, drafter, prompts: dict[str, list[Prompt]], settings: BenchSettings | None = None,

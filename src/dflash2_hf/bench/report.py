@@ -178,6 +178,7 @@ def markdown(results: dict) -> str:
     decoding = "greedy" if s["greedy"] else f"sampling T={s['temperature']}, top_p={s['top_p']}, top_k={s['top_k'] or 'off'}"
     lines += [
         f"- target: `{meta.get('target', '?')}` ({meta.get('dtype', '?')}), drafter: `{meta.get('drafter', '?')}`"
+        + (f" ({meta['drafter_dtype']})" if meta.get("drafter_dtype") else "")
         + (f" (block size {meta['block_size']})" if meta.get("block_size") else ""),
         f"- {decoding}, max_new_tokens={s['max_new_tokens']}, seed={s['seed']}, "
         f"prompt lookup N={s['prompt_lookup_num_tokens']}",

@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args._run(args) or 0)
-    except (DFlash2Error, FileNotFoundError, ImportError) as err:
+    except (DFlash2Error, FileNotFoundError, ImportError, ValueError) as err:
         if os.environ.get("DFLASH2_DEBUG") == "1":
             raise
         print(f"dflash2 {args.command}: error: {err}", file=sys.stderr)

@@ -39,6 +39,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--adapter", default=None,
                         help="a LoRA adapter folder for --drafter (dflash2 train --lora): adds the method "
                              "dflash2_adapter (drafter + adapter, merged) next to the others, measured in the same run")
+    parser.add_argument("--adapter-no-strict", action="store_true",
+                        help="load --adapter even if it was trained on other weights of a same-shaped drafter "
+                             "(default: refuse)")
     parser.add_argument("--datasets", default="sharegpt,humaneval",
                         help="comma-separated: 'sharegpt' (ShareGPT dev records 16000-16999, first human turn), "
                              "'humaneval', or paths of JSONL files with a 'prompt' string or a chat 'messages' list "
@@ -104,7 +107,8 @@ def run(args: argparse.Namespace) -> int:
     needs_drafter = any(m in DRAFTER_METHODS and m != "dflash2_adapter" for m in settings.methods)
     drafter_dtype = getattr(torch, _DTYPES[args.drafter_dtype]) if args.drafter_dtype else dtype
     drafter = load_drafter(args.drafter, target, dtype=drafter_dtype) if needs_drafter else None
-    adapted = load_adapted_drafter(args.drafter, args.adapter, target, dtype=drafter_dtype) if args.adapter else None
+    adapted = load_adapted_drafter(args.drafter, args.adapter, target, dtype=drafter_dtype,
+                                   strict=not args.adapter_no_strict) if args.adapter else None
     prompts, skipped = load_bench_prompts(_csv(args.datasets), tokenizer, args.num_prompts,
                                           max_prompt_tokens=args.max_prompt_tokens or None, chat=not args.raw_prompts)
     meta = {"target": args.target, "drafter": args.drafter, "adapter": args.adapter, "dtype": args.dtype,

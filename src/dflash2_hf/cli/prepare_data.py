@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import sys
 
 _DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
            "float16": "float16", "fp16": "float16"}
@@ -75,4 +76,10 @@ def run(args: argparse.Namespace) -> int:
                           cache_implementation=None if args.cache_implementation == "dynamic" else "static",
                           record_filter="code" if args.only_code else None, source_path=args.source)
     print(json.dumps(counts, indent=2, default=str))
+    if not counts.get("kept"):
+        skipped = dict(counts.get("skipped") or {})
+        print(f"dflash2 prepare-data: error: no conversation kept (skipped: {skipped}). Turns need \"from\": "
+              "human/user, gpt/assistant or system and a string \"value\"; see `dflash2 prepare-data --help`",
+              file=sys.stderr)
+        return 1
     return 0

@@ -207,27 +207,51 @@ def build_drafter(args: argparse.Namespace, target, resume_from: str | None):
     return drafter.float().train()
 
 
+def is_code_folder(data_dir: str) -> bool:
+    """True for a folder made by ``prepare-data --only-code``: code-domain as a whole (its records were chosen by the
+    original conversation; the target's own answer need not hold a fenced block), so --only-code keeps all of it."""
+    from ..data import read_meta
+
+    return (os.path.isfile(os.path.join(data_dir, "meta.json"))
+            and read_meta(data_dir).get("source", {}).get("filter") == "code")
+
+
 def load_eval_records(args: argparse.Namespace, tokenizer) -> list[dict]:
     """The first ``--eval-max-records`` records of ``--eval-data`` (with ``--only-code``: of its code records, so the
-    evaluation is in the training domain)."""
+    evaluation is in the training domain).
+
+    Raises:
+        ValueError: no record to evaluate on.
+    """
     from ..training import load_training_records
 
-    recs = load_training_records(args.eval_data, max_records=None if args.only_code else args.eval_max_records,
+    code_filter = args.only_code and not is_code_folder(args.eval_data)
+    recs = load_training_records(args.eval_data, max_records=None if code_filter else args.eval_max_records,
                                  train_only=False)
-    if args.only_code:
+    if code_filter:
         recs = [r for r in recs if is_code_record(tokenizer, r)][:args.eval_max_records]
         logger.info("--only-code: %d held-out records with a fenced code block", len(recs))
+    if not recs:
+        raise ValueError(f"--eval-data {args.eval_data}: no record to evaluate on"
+                         + (" (none has a fenced code block; drop --only-code or use a code folder)" if code_filter
+                            else ""))
     return recs
 
 
-def _eval_only(args, target, drafter, progress, tokenizer) -> int:
+def _eval_only(args, target, drafter, progress, tokenizer, resume_from: str | None) -> int:
     import torch
 
     from ..training import BlockCollator, FeatureCache, FeatureDataset, evaluate_blocks, freeze_target
 
-    if not args.eval_data:
-        logger.error("--eval-only needs --eval-data")
-        return 2
+    if args.lora:  # evaluate the trained adapter (from --resume's checkpoint, else the finished --output) on --init
+        from ..lora import load_adapter
+
+        adapter = resume_from or args.output
+        if not os.path.isfile(os.path.join(adapter, "adapter_config.json")):
+            raise FileNotFoundError(f"--eval-only --lora: no trained adapter in {adapter!r} (adapter_config.json); "
+                                    "pass the --output of a finished `dflash2 train --lora` run, or add --resume")
+        logger.info("evaluating the drafter %s with the LoRA adapter %s", args.init, adapter)
+        drafter = load_adapter(drafter, adapter).eval()
     cfg = drafter.config
     recs = load_eval_records(args, tokenizer)
     cache = FeatureCache(args.features_dir or default_features_root(args.eval_data), args.target, cfg.target_layer_ids)
@@ -258,6 +282,9 @@ def run(args: argparse.Namespace) -> int:
     )
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.eval_only and not args.eval_data:
+        logger.error("--eval-only needs --eval-data")
+        return 2
     if args.threads:
         torch.set_num_threads(args.threads)
     progress = not args.no_progress and sys.stderr.isatty()
@@ -270,20 +297,15 @@ def run(args: argparse.Namespace) -> int:
     drafter = build_drafter(args, target, resume_from)
     cfg = drafter.config
     n_params = sum(p.numel() for p in drafter.parameters())
-    logger.info("drafter: %d layers, B=%d, target layers %s, %.1fM trainable parameters%s", cfg.num_hidden_layers,
+    logger.info("drafter: %d layers, B=%d, target layers %s, %.1fM parameters%s", cfg.num_hidden_layers,
                 cfg.block_size, cfg.target_layer_ids, n_params / 1e6,
                 f" (resumed from {resume_from})" if resume_from else "")
 
     if args.eval_only:
-        return _eval_only(args, target, drafter, progress, tokenizer)
+        return _eval_only(args, target, drafter, progress, tokenizer, resume_from)
 
     # ---- target features (computed once, reused by every run)
-    from ..data import read_meta
-
-    # a folder built by `prepare-data --only-code` is code-domain as a whole (its records were chosen by the original
-    # conversation; the target's own answer need not hold a fenced block), so --only-code keeps all of it
-    code_folder = (args.only_code and os.path.isfile(os.path.join(args.data, "meta.json"))
-                   and read_meta(args.data).get("source", {}).get("filter") == "code")
+    code_folder = args.only_code and is_code_folder(args.data)
 
     def load_records():
         recs = load_training_records(args.data, max_records=args.max_records)
@@ -326,6 +348,10 @@ def run(args: argparse.Namespace) -> int:
     collator = BlockCollator(block_size=cfg.block_size, mask_token_id=cfg.mask_token_id, num_blocks=args.num_blocks,
                              max_length=args.max_length, seed=args.seed)
     model = wrap_model(drafter, args)
+    if args.lora:
+        n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        logger.info("LoRA: %.2fM trainable adapter parameters (the %.1fM of the base drafter are frozen)",
+                    n_train / 1e6, n_params / 1e6)
     overrides = dict(
         learning_rate=args.lr,
         warmup_steps=args.warmup,
@@ -377,5 +403,5 @@ def run(args: argparse.Namespace) -> int:
         "sequences": len(dataset), "feature_cache": str(cache.dir), "resumed_from": resume_from,
         "final_eval": final_eval,
     })
-    logger.info("saved the drafter to %s (summary: %s)", args.output, path)
+    logger.info("saved the %s to %s (summary: %s)", "LoRA adapter" if args.lora else "drafter", args.output, path)
     return 0

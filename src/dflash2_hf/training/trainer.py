@@ -302,6 +302,12 @@ class DFlash2Trainer(Trainer):
         if bad:
             raise RuntimeError(f"target weights would be saved into a drafter checkpoint: {bad[:4]}")
         super()._save(output_dir, state_dict=state_dict)
+        from peft import PeftModel
+
+        if isinstance(self.model, PeftModel):  # checkpoints of a LoRA run carry the base fingerprint too
+            from ..lora import write_fingerprint
+
+            write_fingerprint(self.model, output_dir or self.args.output_dir)
 
 
 def write_summary(output_dir: str, trainer: DFlash2Trainer, extra: dict | None = None) -> str:
