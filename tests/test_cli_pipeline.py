@@ -64,6 +64,8 @@ def test_prepare_train_lora_generate(tmp_path, monkeypatch):
     assert results["meta"]["adapter_bytes"] > 0 and results["meta"]["drafter_bytes"] > results["meta"]["adapter_bytes"]
     assert all(r["identical_to_plain"] for r in results["records"])
     assert "LoRA adapter (method `dflash2_adapter`)" in (out / "results.md").read_text()
+    assert main(["bench", "--target", t, "--drafter", str(tmp_path / "drafter"), "--adapter", str(tmp_path / "nope"),
+                 "--datasets", str(prompts), "--out", str(tmp_path / "bench2"), "--no-progress"]) == 2
 
     # a code-domain set: prepare-data --only-code, then a LoRA run on all of it (--only-code keeps such a folder whole)
     assert main(["prepare-data", "--target", t, "--out", str(tmp_path / "code"), "--start", "0", "--stop", "20",

@@ -218,6 +218,14 @@ def test_skips_are_counted_never_crash(tmp_path, tiny):
     assert meta["source"]["record_range"] == [0, len(recs)]
 
 
+def test_chat_style_records_are_accepted():
+    system, humans = conversation_turns({"messages": [{"role": "system", "content": "Be brief."},
+                                                      {"role": "user", "content": "hi"},
+                                                      {"role": "assistant", "content": "hello"},
+                                                      {"role": "user", "content": "more"}]}, 2)
+    assert system == "Be brief." and humans == ["hi", "more"]
+
+
 def test_code_filter_keeps_code_conversations_only(tmp_path, tiny):
     from dflash2_hf.data.sharegpt import has_code_block
 

@@ -130,8 +130,14 @@ def _stored_fingerprint(adapter_path: str | os.PathLike) -> dict | None:
         return None
 
 
-def _check_local_adapter_files(path: Path) -> None:
-    """Clear errors for a local adapter folder that is missing, incomplete, truncated or corrupt."""
+def check_adapter_folder(path: str | os.PathLike) -> None:
+    """Clear errors for a local adapter folder that is missing, incomplete, truncated or corrupt.
+
+    Raises:
+        FileNotFoundError: no such folder.
+        CheckpointError: adapter_config.json / adapter_model.safetensors missing, truncated or corrupt.
+    """
+    path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"adapter folder {str(path)!r} not found: pass the output folder of "
                                 "`dflash2 train --lora` (adapter_config.json + adapter_model.safetensors) or a Hub id")
@@ -174,7 +180,7 @@ def load_adapter(drafter, adapter_path: str | os.PathLike, is_trainable: bool = 
 
     path = Path(adapter_path)
     if is_local_path(adapter_path):
-        _check_local_adapter_files(path)
+        check_adapter_folder(path)
     fingerprint = _stored_fingerprint(adapter_path)
     if fingerprint is None:
         logger.warning(f"{str(adapter_path)!r} has no {FINGERPRINT_FILE}: cannot check that this adapter was trained "

@@ -95,6 +95,12 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if "plain" not in methods:
         print("note: adding 'plain' (the reference of speedup and identity)", file=sys.stderr)
+    if args.adapter:
+        from ..hub import is_local_path
+        from ..lora import check_adapter_folder
+
+        if is_local_path(args.adapter):
+            check_adapter_folder(args.adapter)  # fail before loading any model
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
     dtype = getattr(torch, _DTYPES[args.dtype])

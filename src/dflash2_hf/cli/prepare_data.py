@@ -27,7 +27,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--source", default=None,
                         help="a ShareGPT-format JSON array file (your own conversations: a list of {\"id\", "
                              "\"conversations\": [{\"from\": \"human\"|\"gpt\"|\"system\", \"value\"}]}) instead of the "
-                             "packaged ShareGPT; record ids are the indexes in the array")
+                             "packaged ShareGPT; chat-style records {\"messages\": [{\"role\", \"content\"}]} work too; record ids "
+                             "are the indexes in the array")
     parser.add_argument("--start", type=int, default=0, help="first ShareGPT record (default 0)")
     parser.add_argument("--stop", type=int, default=16000, help="end of the record range, exclusive (default 16000; "
                         "records from 17000 on are held out)")
@@ -79,7 +80,8 @@ def run(args: argparse.Namespace) -> int:
     if not counts.get("kept"):
         skipped = dict(counts.get("skipped") or {})
         print(f"dflash2 prepare-data: error: no conversation kept (skipped: {skipped}). Turns need \"from\": "
-              "human/user, gpt/assistant or system and a string \"value\"; see `dflash2 prepare-data --help`",
+              "human/user, gpt/assistant or system and a string \"value\" (or chat-style \"messages\" with \"role\" and "
+              "\"content\"); see `dflash2 prepare-data --help`",
               file=sys.stderr)
         return 1
     return 0

@@ -109,13 +109,15 @@ def conversation_turns(record: dict, max_turns: int) -> tuple[str | None, list[s
     dropped; then human turns are taken while turns alternate human / gpt. Raises ``_Skip(reason)`` for bad
     records (see :data:`SKIP_REASONS`).
     """
-    convs = record.get("conversations") if isinstance(record, dict) else None
-    if not isinstance(convs, list):
+    # ShareGPT {"conversations": [{"from", "value"}]}, or the chat form {"messages": [{"role", "content"}]}
+    convs = (record.get("conversations", record.get("messages"))) if isinstance(record, dict) else None
+    if not isinstance(convs, list) or not all(isinstance(t, dict) for t in convs):
         raise _Skip("malformed")
+    convs = [{"from": t.get("from", t.get("role")), "value": t.get("value", t.get("content"))} for t in convs]
     for turn in convs:
-        if not isinstance(turn, dict) or not isinstance(turn.get("value"), str):
+        if not isinstance(turn["value"], str):
             raise _Skip("malformed")
-    convs = [dict(t, **{"from": ROLE_ALIASES.get(t.get("from"), t.get("from"))}) for t in convs]
+    convs = [dict(t, **{"from": ROLE_ALIASES.get(t["from"], t["from"])}) for t in convs]
     for turn in convs:
         if turn.get("from") not in ROLE_MAP:
             raise _Skip("unknown_role")
