@@ -20,7 +20,7 @@ from pathlib import Path
 import dflash2_hf  # noqa: F401
 from dflash2_hf import DFlash2DraftModel
 from dflash2_hf.data import load_prepared, read_meta
-from dflash2_hf.hub import build_adapter_card
+from dflash2_hf.hub import bench_results_section, build_adapter_card
 from dflash2_hf.lora import FINGERPRINT_FILE, adapter_size_bytes, checkpoint_size_bytes, load_adapter
 
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", FINGERPRINT_FILE)
@@ -67,13 +67,7 @@ def main() -> None:
     model = load_adapter(DFlash2DraftModel.from_pretrained(base_dir), out)  # refuses a mismatched base
     size, base_size = adapter_size_bytes(out), checkpoint_size_bytes(base_dir)
 
-    results = "No benchmark was run for this folder."
-    if args.bench:
-        bench_json = Path(args.bench).with_name("results.json")
-        command = json.loads(bench_json.read_text())["meta"].get("command") if bench_json.exists() else None
-        command = command.replace("dflash2 bench bench", "dflash2 bench") if command else None
-        results = (f"Measured with `{command}` (this repository, on the CPU machine described below).\n\n"
-                   if command else "") + Path(args.bench).read_text()
+    results = bench_results_section(args.bench)
     digest = hashlib.sha256((out / "adapter_model.safetensors").read_bytes()).hexdigest()
     assert digest == hashlib.sha256((adapter_dir / "adapter_model.safetensors").read_bytes()).hexdigest()
     results = (f"Adapter size: {size / 1e6:.2f} MB = {100 * size / base_size:.1f}% of the base drafter's "

@@ -18,7 +18,7 @@ import torch
 import dflash2_hf  # noqa: F401
 from dflash2_hf import DFlash2DraftModel
 from dflash2_hf.data import load_prepared, read_meta
-from dflash2_hf.hub import build_model_card
+from dflash2_hf.hub import bench_results_section, build_model_card
 from dflash2_hf.training.draft_vocab import draft_vocab_from_records
 
 
@@ -62,13 +62,7 @@ def main() -> None:
     drafter.set_draft_vocab(ids)
     drafter.save_pretrained(out)
 
-    results = "No benchmark was run for this folder."
-    if args.bench:
-        bench_json = Path(args.bench).with_name("results.json")
-        command = json.loads(bench_json.read_text())["meta"].get("command") if bench_json.exists() else None
-        command = command.replace("dflash2 bench bench", "dflash2 bench") if command else None
-        results = (f"Measured with `{command}` (this repository, on the CPU machine described below).\n\n"
-                   if command else "") + Path(args.bench).read_text()
+    results = bench_results_section(args.bench)
     card = build_model_card(
         drafter,
         base_model=args.base_model,

@@ -111,3 +111,15 @@ def test_hub_id_resolves_offline_from_populated_cache(targets, tmp_path):
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "resolved dflash2-test/tiny-drafter" in result.stdout
+
+
+def test_bench_results_section_quotes_the_command_and_table(tmp_path):
+    import json
+
+    from dflash2_hf.hub import bench_results_section
+
+    (tmp_path / "results.md").write_text("| tau | 1.5 |\n")
+    (tmp_path / "results.json").write_text(json.dumps({"meta": {"command": "dflash2 bench bench --out x"}}))
+    text = bench_results_section(tmp_path / "results.md")
+    assert text.startswith("Measured with `dflash2 bench --out x`") and text.endswith("| tau | 1.5 |\n")
+    assert bench_results_section(None) == "No benchmark was run for this folder."

@@ -16,6 +16,7 @@ peft`` and ``base_model`` = the drafter's Hub id) and are uploaded the same way,
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from pathlib import Path
@@ -82,14 +83,6 @@ def build_model_card(
         extras.append(f"local convolutions (kernel {c.conv_kernel_size}, groups of {c.conv_group_size})")
     if c.use_candidate_selector:
         extras.append(f"a parallel path selector (top-{c.selector_top_k}, rank {c.selector_rank})")
-    data = ModelCardData(
-        base_model=base_model,
-        library_name="transformers",
-        datasets=datasets or [],
-        license=license,
-        tags=CARD_TAGS,
-        pipeline_tag="text-generation",
-    )
     text = _TEMPLATE.format(
         title=f"DFlash2 drafter for {base_model.split('/')[-1]}",
         base_model=base_model,
@@ -101,7 +94,7 @@ def build_model_card(
         recipe=recipe,
         results=results,
     )
-    return ModelCard(f"---\n{data.to_yaml()}\n---\n{text}")
+    return _compose_card(text, base_model, "transformers", datasets, license, CARD_TAGS)
 
 
 _ADAPTER_TEMPLATE = """
@@ -154,14 +147,6 @@ def build_adapter_card(
         recipe, results: Markdown; ``results`` must hold numbers you measured, with the command that produced them.
     """
     modules = sorted(peft_config.target_modules) if peft_config.target_modules else []
-    data = ModelCardData(
-        base_model=base_drafter,
-        library_name="peft",
-        datasets=datasets or [],
-        license=license,
-        tags=CARD_TAGS + ["lora", "peft"],
-        pipeline_tag="text-generation",
-    )
     text = _ADAPTER_TEMPLATE.format(
         title=f"LoRA adapter for {base_drafter.split('/')[-1]}",
         base_drafter=base_drafter,
@@ -173,7 +158,28 @@ def build_adapter_card(
         recipe=recipe,
         results=results,
     )
+    return _compose_card(text, base_drafter, "peft", datasets, license, CARD_TAGS + ["lora", "peft"])
+
+
+def _compose_card(text: str, base_model: str, library_name: str, datasets: list[str] | None, license: str,
+                  tags: list[str]) -> ModelCard:
+    """YAML metadata (``ModelCardData``) + Markdown body as one ``ModelCard``."""
+    data = ModelCardData(base_model=base_model, library_name=library_name, datasets=datasets or [], license=license,
+                         tags=tags, pipeline_tag="text-generation")
     return ModelCard(f"---\n{data.to_yaml()}\n---\n{text}")
+
+
+def bench_results_section(results_md: str | os.PathLike | None, missing: str = "No benchmark was run for this "
+                          "folder.") -> str:
+    """Card text of a ``dflash2 bench`` run: the command that produced it (from the ``results.json`` next to
+    ``results_md``) and its ``results.md`` table, verbatim, so a card's numbers are never typed in by hand."""
+    if not results_md:
+        return missing
+    bench_json = Path(results_md).with_name("results.json")
+    command = json.loads(bench_json.read_text())["meta"].get("command") if bench_json.exists() else None
+    command = command.replace("dflash2 bench bench", "dflash2 bench") if command else None  # runs before the fix
+    return (f"Measured with `{command}` (this repository, on the CPU machine described below).\n\n"
+            if command else "") + Path(results_md).read_text()
 
 
 def resolve_model_card(drafter, model_card: ModelCard | str | os.PathLike | None) -> ModelCard:

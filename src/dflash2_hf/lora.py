@@ -23,8 +23,8 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import warnings
 import os
+import warnings
 from pathlib import Path
 
 from peft import LoraConfig, PeftModel, get_peft_model
@@ -77,9 +77,13 @@ def _quiet_peft():
         yield
 
 
+def _fingerprint_fields(drafter) -> dict:
+    return {k: getattr(drafter.config, k) for k in _FINGERPRINT_FIELDS}
+
+
 def drafter_fingerprint(drafter) -> dict:
     """Shape/binding fields of the base drafter an adapter depends on, their hash, and the weights' digest."""
-    fields = {k: getattr(drafter.config, k) for k in _FINGERPRINT_FIELDS}
+    fields = _fingerprint_fields(drafter)
     digest = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
     return {"fields": fields, "sha256_16": digest, "weights_sha256_16": base_weights_digest(drafter)}
 
@@ -99,9 +103,7 @@ def add_lora(drafter, config: LoraConfig | None = None) -> PeftModel:
     ``merge_and_unload()`` gives back a plain :class:`~dflash2_hf.DFlash2DraftModel`.
     """
     with _quiet_peft():
-        model = get_peft_model(drafter, config or lora_config())
-    model.dflash2_fingerprint = drafter_fingerprint(drafter)
-    return model
+        return get_peft_model(drafter, config or lora_config())
 
 
 def write_fingerprint(model: PeftModel, save_directory: str | os.PathLike) -> None:
@@ -187,7 +189,7 @@ def load_adapter(drafter, adapter_path: str | os.PathLike, is_trainable: bool = 
                        "for this drafter (save adapters with dflash2_hf.lora.save_adapter or `dflash2 train --lora`)")
     else:
         expected = fingerprint["fields"]
-        actual = drafter_fingerprint(drafter)["fields"]
+        actual = _fingerprint_fields(drafter)  # shapes first: the weights digest only when they match
         diff = {k: (expected.get(k), actual[k]) for k in actual if expected.get(k) != actual[k]}
         if diff:
             listing = ", ".join(f"{k}: adapter {a!r} vs drafter {b!r}" for k, (a, b) in diff.items())

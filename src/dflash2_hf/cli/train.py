@@ -216,6 +216,13 @@ def is_code_folder(data_dir: str) -> bool:
             and read_meta(data_dir).get("source", {}).get("filter") == "code")
 
 
+def keep_code(args: argparse.Namespace, tokenizer, data_dir: str, records: list[dict]) -> tuple[list[dict], bool]:
+    """With ``--only-code``: the records with a fenced code block, unless ``data_dir`` is code-domain as a whole
+    (:func:`is_code_folder`). Returns ``(records, filtered)``."""
+    filtered = args.only_code and not is_code_folder(data_dir)
+    return ([r for r in records if is_code_record(tokenizer, r)] if filtered else records), filtered
+
+
 def load_eval_records(args: argparse.Namespace, tokenizer) -> list[dict]:
     """The first ``--eval-max-records`` records of ``--eval-data`` (with ``--only-code``: of its code records, so the
     evaluation is in the training domain).
@@ -225,11 +232,11 @@ def load_eval_records(args: argparse.Namespace, tokenizer) -> list[dict]:
     """
     from ..training import load_training_records
 
-    code_filter = args.only_code and not is_code_folder(args.eval_data)
-    recs = load_training_records(args.eval_data, max_records=None if code_filter else args.eval_max_records,
+    recs = load_training_records(args.eval_data, max_records=None if args.only_code else args.eval_max_records,
                                  train_only=False)
+    recs, code_filter = keep_code(args, tokenizer, args.eval_data, recs)
+    recs = recs[:args.eval_max_records]
     if code_filter:
-        recs = [r for r in recs if is_code_record(tokenizer, r)][:args.eval_max_records]
         logger.info("--only-code: %d held-out records with a fenced code block", len(recs))
     if not recs:
         raise ValueError(f"--eval-data {args.eval_data}: no record to evaluate on"
@@ -305,16 +312,14 @@ def run(args: argparse.Namespace) -> int:
         return _eval_only(args, target, drafter, progress, tokenizer, resume_from)
 
     # ---- target features (computed once, reused by every run)
-    code_folder = args.only_code and is_code_folder(args.data)
-
     def load_records():
-        recs = load_training_records(args.data, max_records=args.max_records)
-        return [r for r in recs if is_code_record(tokenizer, r)] if args.only_code and not code_folder else recs
+        return keep_code(args, tokenizer, args.data,
+                         load_training_records(args.data, max_records=args.max_records))[0]
 
     records = load_records()
     if args.only_code:
         logger.info("--only-code: %d records %s", len(records), "(a prepare-data --only-code folder, all kept)"
-                    if code_folder else "with a fenced code block")
+                    if is_code_folder(args.data) else "with a fenced code block")
     feat_root = args.features_dir or default_features_root(args.data)
     cache = FeatureCache(feat_root, args.target, cfg.target_layer_ids)
     budget = None if args.feature_time_budget is None else args.feature_time_budget * 60
@@ -389,10 +394,9 @@ def run(args: argparse.Namespace) -> int:
                   default=str)
     result = trainer.train(resume_from_checkpoint=resume_from)
     trainer.save_model(args.output)
-    if args.lora:
-        from ..lora import adapter_size_bytes, checkpoint_size_bytes, save_adapter
+    if args.lora:  # save_model wrote the adapter files and their fingerprint (DFlash2Trainer._save)
+        from ..lora import adapter_size_bytes, checkpoint_size_bytes
 
-        save_adapter(model, args.output)
         base_bytes = checkpoint_size_bytes(args.init) if os.path.isdir(args.init) else None
         logger.info("adapter: %.2f MB%s", adapter_size_bytes(args.output) / 1e6,
                     f" = {100 * adapter_size_bytes(args.output) / base_bytes:.1f}% of the base drafter's "
