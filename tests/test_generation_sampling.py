@@ -47,7 +47,8 @@ def _exact_marginals(target, prompt, **warp):
     return joint12.sum(0), p3
 
 
-def _empirical(target, drafter, prompt, draws: int, temperature=TEMPERATURE, top_k=TOP_K, top_p=None):
+def _empirical(target, drafter, prompt, draws: int, temperature=TEMPERATURE, top_k=TOP_K, top_p=None,
+               draft_lengths: list | None = None):
     counts = torch.zeros(2, VOCAB)
     accepted = 0
     for _ in range(draws):
@@ -59,6 +60,8 @@ def _empirical(target, drafter, prompt, draws: int, temperature=TEMPERATURE, top
         counts[0, new[1]] += 1
         counts[1, new[2]] += 1
         accepted += sum(drafter.generation_stats.accepted_drafts)
+        if draft_lengths is not None:
+            draft_lengths += drafter.generation_stats.draft_lengths
     return counts / draws, accepted / draws
 
 
@@ -113,4 +116,19 @@ def test_sampling_with_top_p_and_high_temperature(setup):
     p2, p3 = _exact_marginals(target, prompt, **warp)
     torch.manual_seed(3)
     emp, _ = _empirical(target, drafter, prompt, draws=1200, **warp)
+    assert _tv(emp[0], p2) < THRESHOLD and _tv(emp[1], p3) < THRESHOLD, (emp, p2, p3)
+
+
+def test_sampling_with_a_confidence_cut_draft_length_is_lossless(setup):
+    """Cutting the path where q is low (assistant_confidence_threshold) depends on the drafter alone: still exact."""
+    target, drafter, prompt, (p2, p3) = setup
+    drafter.generation_config.assistant_confidence_threshold = 0.27
+    lengths = []
+    try:
+        torch.manual_seed(4)
+        emp, accepted = _empirical(target, drafter, prompt, draws=1200, draft_lengths=lengths)
+    finally:
+        drafter.generation_config.assistant_confidence_threshold = None
+    assert {1, 2} <= set(lengths)  # both cut and uncut first cycles were sampled
+    assert accepted > 0.2
     assert _tv(emp[0], p2) < THRESHOLD and _tv(emp[1], p3) < THRESHOLD, (emp, p2, p3)

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from safetensors import SafetensorError
 from torch import nn
-from transformers import PreTrainedModel, initialization as init
+from transformers import GenerationConfig, PreTrainedModel, initialization as init
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half
 from transformers.utils import ModelOutput, logging
@@ -240,6 +240,12 @@ class DFlash2DraftModel(DFlash2PreTrainedModel):
     Attributes:
         generation_stats (:class:`~dflash2_hf.generation.GenerationStats` or None): acceptance statistics of the
             last ``generate()`` call that used this drafter.
+        generation_config (``transformers.GenerationConfig``): the assistant knobs ``transformers`` defines, read by
+            the DFlash2 loop at every ``generate()`` call: ``num_assistant_tokens`` caps the drafts per cycle (at
+            most ``block_size - 1``), ``assistant_confidence_threshold`` cuts each proposed path after its first
+            draft whose selector probability is below it (dynamic draft length: fewer wasted verification
+            positions where verifying costs grow with the block, e.g. CPUs). Both ``None`` (default): full blocks,
+            as in the DFlash2 paper. Output stays lossless either way; not saved with the weights.
     """
 
     def __init__(self, config: DFlash2Config):
@@ -257,6 +263,7 @@ class DFlash2DraftModel(DFlash2PreTrainedModel):
             self.draft_vocab_ids = None
         self.generation_stats = None
         self.post_init()
+        self.generation_config = GenerationConfig(num_assistant_tokens=None, assistant_confidence_threshold=None)
 
     # transformers asks drafters for their embeddings in a few places; ours are the target's.
     def get_input_embeddings(self):

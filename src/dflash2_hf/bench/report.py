@@ -70,6 +70,7 @@ def aggregate(records: list[RawRecord], methods: tuple, block_size: int | None, 
                 merged = GenerationStats.merge([_stats_from_dict(r.generation_stats) for r in rs])
                 cycles = merged.num_cycles
                 row.update(tau=merged.tau if cycles else None, tau_source="generation_stats",
+                           mean_draft_length=merged.mean_draft_length if cycles else None,
                            per_position_acceptance=merged.per_position_acceptance(), acceptance_source="generation_stats",
                            split_source="generation_stats", loop_other_seconds=merged.other_seconds)
                 prefill, verify, draft, select = (merged.prefill_seconds, merged.verify_seconds,
@@ -85,6 +86,7 @@ def aggregate(records: list[RawRecord], methods: tuple, block_size: int | None, 
                         prompt_lookup_num_tokens if method == "prompt_lookup" else None)
                     acceptance = per_position_rates(drafts, accepted, max_pos) if drafts else None
                 row.update(tau=fw_tau if method != "plain" else (1.0 if cycles else None), tau_source="target_forwards",
+                           mean_draft_length=sum(drafts) / len(drafts) if drafts else None,
                            per_position_acceptance=acceptance, acceptance_source="target_forwards",
                            split_source="forward_hooks")
                 prefill = sum(r.forwards["prefill_seconds"] for r in rs)
@@ -201,9 +203,9 @@ def markdown(results: dict) -> str:
         lines.append(f"- **{warning}**")
     lines += [
         "",
-        "| data set | method | tok/s | speedup | tau | identical | draft ms | select ms | verify ms | rest ms "
-        "| prefill ms |",
-        "|---|---|---:|---:|---:|---|---:|---:|---:|---:|---:|",
+        "| data set | method | tok/s | speedup | tau | drafts | identical | draft ms | select ms | verify ms "
+        "| rest ms | prefill ms |",
+        "|---|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|",
     ]
     for row in results["aggregates"]:
         split = row["time_split_ms_per_cycle"]
@@ -214,7 +216,8 @@ def markdown(results: dict) -> str:
         tau = _fmt(row["tau"]) + ("" if row["tau_source"] == "generation_stats" or row["method"] == "plain" else "†")
         lines.append(
             f"| {row['dataset']} | {row['method']} | {_fmt(row['tokens_per_second'], '.1f')} | "
-            f"{_fmt(row['speedup'])}x | {tau} | {ident} | {_fmt(split['draft'], '.1f', '-')} | "
+            f"{_fmt(row['speedup'])}x | {tau} | {_fmt(row.get('mean_draft_length'), '.2f', '-')} | {ident} | "
+            f"{_fmt(split['draft'], '.1f', '-')} | "
             f"{_fmt(split['select'], '.1f', '-')} | {_fmt(split['verify'], '.1f', '-')} | "
             f"{_fmt(split['rest'], '.1f', '-')} | {_fmt(row['prefill_ms_per_call'], '.0f')} |")
     width = max((len(r["per_position_acceptance"] or []) for r in results["aggregates"]), default=0)
@@ -233,7 +236,7 @@ def markdown(results: dict) -> str:
         "",
         "tok/s: new tokens / wall seconds of the generate() calls (pooled over prompts); speedup: tok/s over plain's "
         "in this same interleaved run; tau: tokens per target verification (generation_stats; † = from counting target "
-        "forward calls with a hook); identical: prompts whose greedy output equals plain greedy token for token; "
+        "forward calls with a hook); drafts: drafts verified per cycle; identical: prompts whose greedy output equals plain greedy token for token; "
         "ms columns: per verification cycle (plain: per decoding step), rest = wall time not spent in the other "
         "columns or the prefill. See docs/bench.md.",
         "",

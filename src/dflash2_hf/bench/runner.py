@@ -15,9 +15,9 @@ import torch
 
 from .recorder import ForwardRecorder
 
-METHODS = ("plain", "prompt_lookup", "builtin_dflash", "dflash2_top1", "dflash2", "dflash2_adapter")
-DRAFTER_METHODS = ("builtin_dflash", "dflash2_top1", "dflash2", "dflash2_adapter")
-STATS_METHODS = ("dflash2_top1", "dflash2", "dflash2_adapter")  # methods that fill drafter.generation_stats
+METHODS = ("plain", "prompt_lookup", "builtin_dflash", "dflash2_top1", "dflash2", "dflash2_dynamic", "dflash2_adapter")
+DRAFTER_METHODS = ("builtin_dflash", "dflash2_top1", "dflash2", "dflash2_dynamic", "dflash2_adapter")
+STATS_METHODS = ("dflash2_top1", "dflash2", "dflash2_dynamic", "dflash2_adapter")  # fill drafter.generation_stats
 
 METHOD_DESCRIPTIONS = {
     "plain": "target.generate() without speculation",
@@ -27,6 +27,9 @@ METHOD_DESCRIPTIONS = {
     "dflash2_top1": "target.generate(assistant_model=drafter) with drafter.use_selector=False (DFlash2 loop, top-1 "
                     "path)",
     "dflash2": "target.generate(assistant_model=drafter) (DFlash2 loop with the candidate selector)",
+    "dflash2_dynamic": "target.generate(assistant_model=drafter) with drafter.generation_config."
+                       "assistant_confidence_threshold set (DFlash2 loop with the candidate selector, each path cut "
+                       "after its first draft the selector gives less than the threshold)",
     "dflash2_adapter": "target.generate(assistant_model=adapted) with the same drafter plus a LoRA adapter, merged "
                        "(DFlash2 loop with the candidate selector)",
 }
@@ -44,6 +47,7 @@ class BenchSettings:
         seed: sampling seed; before each call ``torch.manual_seed(seed + prompt index)`` (same seed for every
             method on a prompt).
         prompt_lookup_num_tokens: ``N`` of the prompt-lookup baseline.
+        confidence_threshold: ``assistant_confidence_threshold`` of the ``dflash2_dynamic`` method (a probability).
         warmup: one untimed generation per method first.
         warmup_tokens: ``max_new_tokens`` of the warm-up generations.
         progress: tqdm progress bar.
@@ -56,6 +60,7 @@ class BenchSettings:
     methods: tuple = METHODS
     seed: int = 0
     prompt_lookup_num_tokens: int = 10
+    confidence_threshold: float = 0.7
     warmup: bool = True
     warmup_tokens: int = 16
     progress: bool = True
@@ -72,6 +77,8 @@ class BenchSettings:
             raise ValueError("temperature must be >= 0")
         if self.max_new_tokens < 1:
             raise ValueError("max_new_tokens must be >= 1")
+        if not 0 < self.confidence_threshold < 1:
+            raise ValueError(f"confidence_threshold must be in (0, 1); got {self.confidence_threshold}")
 
     @property
     def greedy(self) -> bool:
@@ -112,10 +119,15 @@ def generate_once(target, drafter, method: str, input_ids: torch.Tensor, setting
     elif method != "plain":
         raise ValueError(method)
     previous_flag = getattr(drafter, "use_selector", True) if drafter is not None else None
+    draft_config = getattr(drafter, "generation_config", None) if method in STATS_METHODS else None
+    previous_threshold = getattr(draft_config, "assistant_confidence_threshold", None)
     if method in DRAFTER_METHODS:
         drafter.generation_stats = None
         if method == "dflash2_top1":
             drafter.use_selector = False
+    if draft_config is not None:  # only dflash2_dynamic cuts paths; the others propose full blocks
+        draft_config.assistant_confidence_threshold = (
+            settings.confidence_threshold if method == "dflash2_dynamic" else None)
     device = input_ids.device
     try:
         _sync(device)
@@ -126,6 +138,8 @@ def generate_once(target, drafter, method: str, input_ids: torch.Tensor, setting
     finally:
         if drafter is not None:
             drafter.use_selector = previous_flag
+        if draft_config is not None:
+            draft_config.assistant_confidence_threshold = previous_threshold
     stats = None
     if method in STATS_METHODS:
         if drafter.generation_stats is None:

@@ -2,7 +2,8 @@
 
 Runs every method on the same prompts, interleaved per prompt (rotating the method order), after one untimed
 warm-up generation per method. Methods: plain, prompt_lookup, builtin_dflash (transformers' own DFlash loop with our
-drafter), dflash2_top1 (our loop, selector off), dflash2 (our loop with the candidate selector).
+drafter), dflash2_top1 (our loop, selector off), dflash2 (our loop with the candidate selector), dflash2_dynamic
+(dflash2 with a confidence-cut draft length).
 
 Writes to --out: results.json (settings, versions, machine, per-prompt raw numbers, aggregates), results.md (the
 table printed at the end), acceptance_per_position.png and speedup.png. How to read the columns: docs/bench.md.
@@ -63,6 +64,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "reference of the speedup and of the identity check; --adapter adds dflash2_adapter)")
     parser.add_argument("--prompt-lookup-tokens", type=int, default=10,
                         help="prompt_lookup_num_tokens of the prompt_lookup baseline (default 10)")
+    parser.add_argument("--confidence-threshold", type=float, default=0.7,
+                        help="assistant_confidence_threshold of the dflash2_dynamic method: each drafted path is cut "
+                             "after its first draft the selector gives less than this probability (default 0.7)")
     parser.add_argument("--raw-prompts", action="store_true",
                         help="JSONL 'prompt' strings are fed as raw text instead of one user chat message")
     parser.add_argument("--out", required=True, help="output folder")
@@ -106,7 +110,8 @@ def run(args: argparse.Namespace) -> int:
     dtype = getattr(torch, _DTYPES[args.dtype])
     settings = BenchSettings(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                              top_k=args.top_k, methods=tuple(methods), seed=args.seed,
-                             prompt_lookup_num_tokens=args.prompt_lookup_tokens, warmup=not args.no_warmup,
+                             prompt_lookup_num_tokens=args.prompt_lookup_tokens,
+                             confidence_threshold=args.confidence_threshold, warmup=not args.no_warmup,
                              progress=not args.no_progress)
     torch.manual_seed(args.seed)
     target, tokenizer = load_target(args.target, dtype=dtype, device=args.device)

@@ -25,6 +25,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     parser.add_argument("--top-p", type=float, default=None)
     parser.add_argument("--no-selector", action="store_true", help="top-1 path instead of the candidate selector")
+    parser.add_argument("--confidence-threshold", type=float, default=None,
+                        help="dynamic draft length: cut each drafted path after its first draft the selector gives "
+                             "less than this probability (drafter.generation_config.assistant_confidence_threshold; "
+                             "default: full blocks). Saves verification work where it grows with the block (CPUs)")
     parser.add_argument("--compare", action="store_true",
                         help="also run plain generate() and print the speedup and (greedy) whether outputs match")
 
@@ -57,6 +61,7 @@ def run(args: argparse.Namespace) -> int:
     target, tokenizer = load_target(args.target)
     drafter = load_drafter(args.drafter, target)
     drafter.use_selector = not args.no_selector
+    drafter.generation_config.assistant_confidence_threshold = args.confidence_threshold
     ids = prompt_ids(tokenizer, args.prompt).to(target.device)
     sampling = dict(do_sample=args.temperature > 0)
     if args.temperature > 0:
@@ -69,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
     stats = drafter.generation_stats
     new = out.shape[1] - ids.shape[1]
     print(f"\n--- {new} tokens in {spec_s:.2f} s ({new / spec_s:.1f} tokens/s), tau = {stats.tau:.2f} "
-          f"over {stats.num_cycles} cycles")
+          f"over {stats.num_cycles} cycles, {stats.mean_draft_length:.2f} drafts verified per cycle")
     per = max(stats.num_cycles, 1)
     print(f"per cycle: drafter {1e3 * stats.draft_seconds / per:.1f} ms, selector {1e3 * stats.select_seconds / per:.1f} ms, "
           f"verification {1e3 * stats.verify_seconds / per:.1f} ms, rest {1e3 * stats.other_seconds / per:.1f} ms")

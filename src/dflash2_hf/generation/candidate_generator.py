@@ -63,6 +63,32 @@ def walk_sampled(scores: torch.Tensor, temperature: float) -> tuple[list[int], t
     return path, torch.stack(rows)
 
 
+def path_confidence(scores: torch.Tensor, path: list[int]) -> torch.Tensor:
+    """``(P,)`` float32: the selector's probability of each path step given its predecessor.
+
+    ``softmax(S_t(prev, .))`` at the chosen candidate, over the top-k; ``scores`` is ``(P, a, k)`` with
+    ``a = 1`` when there is no predecessor dependence (the top-1 / unary-only case).
+    """
+    steps = torch.arange(len(path), device=scores.device)
+    chosen = torch.tensor(path, device=scores.device)
+    prev = torch.cat([chosen.new_zeros(1), chosen[:-1]]) if scores.shape[1] > 1 else torch.zeros_like(chosen)
+    rows = torch.softmax(scores[steps, prev].float(), dim=-1)  # (P, k)
+    return rows[steps, chosen]
+
+
+def confident_prefix(confidence: torch.Tensor, threshold: float | None) -> int:
+    """How many drafts to verify: up to and including the first one whose confidence is below ``threshold``.
+
+    The same cut as ``transformers``' ``ConfidenceCriteria`` (``assistant_confidence_threshold``): the first
+    low-confidence draft is still proposed, so a threshold never leaves a cycle without a draft. ``None`` or 0 keeps
+    them all. The cut depends on the drafter alone, so verification (greedy or rejection sampling) stays exact.
+    """
+    if not threshold:
+        return confidence.shape[0]
+    low = (confidence < threshold).nonzero()
+    return int(low[0, 0]) + 1 if low.numel() else confidence.shape[0]
+
+
 def lm_head_for_drafter(target: PreTrainedModel, drafter) -> torch.nn.Module | torch.Tensor:
     """The target's LM head as the drafter applies it when drafting.
 
@@ -93,6 +119,9 @@ class DFlash2CandidateGenerator:
         temperature: selector sampling temperature (the generation temperature).
         use_selector: False = the top-1 path / plain top-k proposal (the selector's measured baseline).
         stats: where drafting and selection times are added.
+        confidence_threshold: cut each proposed path after its first draft whose confidence (the selector's
+            probability of the step, or the top-1 probability without the selector) is below this value
+            (:func:`confident_prefix`); ``None`` proposes every requested draft.
     """
 
     def __init__(
@@ -103,8 +132,10 @@ class DFlash2CandidateGenerator:
         temperature: float,
         use_selector: bool,
         stats: GenerationStats,
+        confidence_threshold: float | None = None,
     ):
         self.drafter = drafter
+        self.confidence_threshold = confidence_threshold
         config = drafter.config
         self.block_size = config.block_size
         self.top_k = min(config.selector_top_k, config.draft_vocab_size or config.vocab_size)
@@ -134,7 +165,9 @@ class DFlash2CandidateGenerator:
 
     @torch.no_grad()
     def propose(self, input_ids: torch.LongTensor, num_drafts: int) -> DraftProposal:
-        """Drafts ``num_drafts`` (``1 .. B-1``) tokens after ``input_ids`` (its last token is the anchor).
+        """Drafts up to ``num_drafts`` (``1 .. B-1``) tokens after ``input_ids`` (its last token is the anchor).
+
+        Fewer (at least one) when ``confidence_threshold`` cuts the path.
 
         Raises:
             RuntimeError: the queued context does not end right before the anchor (a loop bookkeeping bug).
@@ -158,7 +191,9 @@ class DFlash2CandidateGenerator:
 
         with timed(self.stats, "select_seconds", self.device):
             if not self.do_sample and self.selector is None:
-                return DraftProposal(tokens=self._to_target_ids(logits.argmax(-1))[None])
+                top_prob, top_ids = torch.softmax(logits.float(), dim=-1).max(-1)
+                keep = confident_prefix(top_prob, self.confidence_threshold)
+                return DraftProposal(tokens=self._to_target_ids(top_ids[:keep])[None])
             top_logits, candidate_ids = logits.topk(self.top_k, dim=-1)  # (P, k)
             candidate_ids = self._to_target_ids(candidate_ids)
             if self.selector is None:
@@ -172,8 +207,14 @@ class DFlash2CandidateGenerator:
                 if self.selector is None:
                     scores = scores.expand(-1, self.top_k, -1)
                 path, q = walk_sampled(scores, self.temperature)
+                confidence = q[torch.arange(len(path)), path] if self.confidence_threshold else None
             else:
                 path, q = walk_greedy(scores), None
+                confidence = path_confidence(scores, path) if self.confidence_threshold else None
+            if confidence is not None:
+                keep = confident_prefix(confidence, self.confidence_threshold)
+                path, candidate_ids = path[:keep], candidate_ids[:keep]
+                q = None if q is None else q[:keep]
             index = torch.tensor(path, device=self.device)
             tokens = candidate_ids.gather(1, index[:, None]).T
             return DraftProposal(tokens=tokens, candidate_ids=candidate_ids if q is not None else None, q=q)

@@ -63,6 +63,29 @@ def _validate(target, input_ids, generation_config, synced_gpus, model_kwargs) -
         raise UnsupportedGenerationError("Speculative decoding needs use_cache=True.")
 
 
+def _draft_length_settings(drafter) -> tuple[int, float | None]:
+    """``(max drafts per cycle, confidence threshold)`` from the drafter's ``generation_config`` assistant knobs.
+
+    Raises:
+        ValueError: ``num_assistant_tokens`` < 1 or ``assistant_confidence_threshold`` outside ``[0, 1)``.
+    """
+    block_drafts = drafter.config.block_size - 1
+    config = getattr(drafter, "generation_config", None)
+    cap = getattr(config, "num_assistant_tokens", None)
+    threshold = getattr(config, "assistant_confidence_threshold", None)
+    if cap is not None and (int(cap) != cap or cap < 1):
+        raise ValueError(
+            f"drafter.generation_config.num_assistant_tokens must be a positive integer (drafts per cycle, at most "
+            f"block_size - 1 = {block_drafts}); got {cap!r}. Set None for full blocks."
+        )
+    if threshold is not None and not 0 <= threshold < 1:
+        raise ValueError(
+            f"drafter.generation_config.assistant_confidence_threshold must be in [0, 1) (a probability); got "
+            f"{threshold!r}. Set None to propose full blocks."
+        )
+    return min(block_drafts, int(cap)) if cap is not None else block_drafts, threshold or None
+
+
 def _first_stop(stopping_criteria, sequence: torch.LongTensor, start: int, scores) -> int | None:
     """Index (0-based, among tokens from ``start`` on) of the first token after which a criterion fires."""
     for end in range(start + 1, sequence.shape[1] + 1):
@@ -150,10 +173,12 @@ def dflash2_assisted_decoding(
         UnsupportedGenerationError: batch size > 1, ``synced_gpus``, encoder-decoder targets, requests for
             attentions/hidden states, ``use_cache=False``.
         DrafterTargetMismatchError: the drafter was built for another target.
+        ValueError: invalid draft-length knobs on ``drafter.generation_config``.
     """
     _validate(target, input_ids, generation_config, synced_gpus, model_kwargs)
     drafter = assistant_model.get_base_model() if hasattr(assistant_model, "get_base_model") else assistant_model
     drafter.check_target(target)
+    max_drafts, confidence_threshold = _draft_length_settings(drafter)
     cache_key = _cache_key(model_kwargs)
     target_cache = model_kwargs[cache_key]
     if target_cache.get_seq_length() > 0:
@@ -174,6 +199,7 @@ def dflash2_assisted_decoding(
         temperature=float(generation_config.temperature or 1.0) if do_sample else 1.0,
         use_selector=getattr(drafter, "use_selector", True),
         stats=stats,
+        confidence_threshold=confidence_threshold,
     )
     return_dict = generation_config.return_dict_in_generate
     scores = () if (return_dict and generation_config.output_scores) else None
@@ -187,9 +213,10 @@ def dflash2_assisted_decoding(
         cur_len = input_ids.shape[1]
         proposal = None
         # 1. Draft, never past max_length: accepted drafts + the bonus token must fit.
-        num_drafts = 0 if is_first_iteration else min(drafter.config.block_size - 1, max_length - cur_len - 1)
+        num_drafts = 0 if is_first_iteration else min(max_drafts, max_length - cur_len - 1)
         if num_drafts > 0:
             proposal = generator.propose(input_ids, num_drafts)
+            num_drafts = proposal.tokens.shape[1]  # the confidence threshold may have cut the path
             candidate_input_ids = torch.cat([input_ids, proposal.tokens.to(input_ids.device)], dim=1)
         else:
             candidate_input_ids = input_ids

@@ -16,7 +16,8 @@ class GenerationStats:
         acceptance_lengths: per verification cycle, tokens emitted = accepted drafts + 1 bonus token (after any
             stop inside the block); the prefill step is not a cycle.
         accepted_drafts: per cycle, drafts the target accepted (before a stop condition truncated the block).
-        draft_lengths: per cycle, drafts proposed (``B - 1`` except near ``max_length``).
+        draft_lengths: per cycle, drafts proposed (``B - 1`` except near ``max_length``, or fewer when
+            ``num_assistant_tokens`` / ``assistant_confidence_threshold`` limit them).
         new_tokens: tokens generated in total (prefill's first token included).
         draft_seconds: drafter forward passes + LM head on the draft positions (wall clock, seconds).
         select_seconds: top-k + candidate selector + path walk.
@@ -46,6 +47,11 @@ class GenerationStats:
         """Acceptance length: mean tokens per verification cycle (1.0 = plain decoding, at most ``block_size``)."""
         return sum(self.acceptance_lengths) / len(self.acceptance_lengths) if self.acceptance_lengths else 0.0
 
+    @property
+    def mean_draft_length(self) -> float:
+        """Drafts verified per cycle on average (the target's extra positions per forward)."""
+        return sum(self.draft_lengths) / len(self.draft_lengths) if self.draft_lengths else 0.0
+
     def per_position_acceptance(self) -> list[float | None]:
         """Rate at which draft position ``i`` (1-based, list index ``i - 1``) was accepted.
 
@@ -71,6 +77,7 @@ class GenerationStats:
         out.update(
             tau=self.tau,
             num_cycles=self.num_cycles,
+            mean_draft_length=self.mean_draft_length,
             per_position_acceptance=self.per_position_acceptance(),
             other_seconds=self.other_seconds,
         )
