@@ -67,7 +67,7 @@ def _check_files(out, results, methods):
     for rec in data["records"]:
         assert rec["new_tokens"] > 0 and rec["seconds"] > 0 and rec["tokens_per_second"] > 0
         assert rec["forwards"]["target_forwards"] >= 1
-        if rec["method"] in ("dflash2", "dflash2_top1", "dflash2_adapter"):
+        if rec["method"] in ("dflash2", "dflash2_top1", "dflash2_dynamic", "dflash2_adapter"):
             stats = rec["generation_stats"]
             assert stats is not None
             # the hook-based accounting agrees with the loop's own statistics
@@ -85,7 +85,7 @@ def _check_files(out, results, methods):
         assert row["tokens_per_second"] > 0 and row["speedup"] > 0
         if row["method"] == "plain":
             assert row["speedup"] == pytest.approx(1.0)
-        if row["method"] in ("builtin_dflash", "dflash2", "dflash2_top1", "dflash2_adapter"):
+        if row["method"] in ("builtin_dflash", "dflash2", "dflash2_top1", "dflash2_dynamic", "dflash2_adapter"):
             assert len(row["per_position_acceptance"]) == 5  # block size 6
             assert row["time_split_ms_per_cycle"]["draft"] is not None
     md = (out / "results.md").read_text()
@@ -114,6 +114,38 @@ def test_bench_greedy(models, adapted, prompts, tmp_path):
     assert drafter.use_selector is True  # restored after dflash2_top1
     pl = next(r for r in data["aggregates"] if r["dataset"] == "rep" and r["method"] == "prompt_lookup")
     assert pl["per_position_acceptance"] is not None
+
+
+def test_dynamic_method_cuts_drafts_and_restores_the_drafter_knobs(models, prompts, tmp_path):
+    """dflash2 runs full blocks and dflash2_dynamic the bench's threshold, whatever the caller had set; restored after."""
+    target, drafter = models
+    drafter.generation_config.num_assistant_tokens = 2
+    drafter.generation_config.assistant_confidence_threshold = 0.123
+    try:
+        settings = BenchSettings(max_new_tokens=NEW, methods=("dflash2", "dflash2_dynamic"), confidence_threshold=0.9,
+                                 warmup=False, progress=False)
+        data = _check_files(tmp_path, run_benchmark(target, drafter, prompts, settings, out_dir=tmp_path),
+                            settings.methods)
+        knobs = (drafter.generation_config.num_assistant_tokens,
+                 drafter.generation_config.assistant_confidence_threshold)
+    finally:
+        drafter.generation_config.num_assistant_tokens = None
+        drafter.generation_config.assistant_confidence_threshold = None
+    assert knobs == (2, 0.123)
+    assert all(r["identical_to_plain"] for r in data["records"])
+    full = [d for r in data["records"] if r["method"] == "dflash2" for d in r["generation_stats"]["draft_lengths"]]
+    assert max(full) == 5  # B - 1: the caller's cap of 2 did not leak into the full-block method
+    rows = {r["method"]: r for r in data["aggregates"] if r["dataset"] == "all"}
+    assert rows["dflash2_dynamic"]["mean_draft_length"] < rows["dflash2"]["mean_draft_length"]
+    assert rows["plain"]["mean_draft_length"] is None
+    md = (tmp_path / "results.md").read_text()
+    assert "| tau | drafts |" in md and f"| {rows['dflash2_dynamic']['mean_draft_length']:.2f} |" in md
+
+
+def test_confidence_threshold_is_checked_when_used():
+    with pytest.raises(ValueError, match="--confidence-threshold"):
+        BenchSettings(methods=("dflash2_dynamic",), confidence_threshold=1.5)
+    BenchSettings(methods=("dflash2",), confidence_threshold=1.5)  # not used: no error
 
 
 def test_adapter_method_needs_its_drafter(models, prompts):

@@ -38,9 +38,6 @@ def test_path_confidence_is_the_selector_probability_of_each_step():
         torch.softmax(scores[2, 0], -1)[3],
     ])
     torch.testing.assert_close(cg.path_confidence(scores, path), expected)
-    unary = torch.randn(3, 1, 4, generator=g)  # no predecessor dependence (top-1 / no selector)
-    torch.testing.assert_close(cg.path_confidence(unary, path),
-                               torch.softmax(unary[:, 0], -1)[torch.arange(3), torch.tensor(path)])
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
@@ -119,10 +116,15 @@ def test_num_assistant_tokens_caps_the_drafts(targets):
 
 
 @pytest.mark.parametrize("field,value,message", [
-    ("assistant_confidence_threshold", 1.5, "must be in \\[0, 1\\)"),
-    ("assistant_confidence_threshold", -0.1, "must be in \\[0, 1\\)"),
+    ("assistant_confidence_threshold", 1.5, "probability in \\[0, 1\\)"),
+    ("assistant_confidence_threshold", -0.1, "probability in \\[0, 1\\)"),
+    ("assistant_confidence_threshold", float("nan"), "probability in \\[0, 1\\)"),
+    ("assistant_confidence_threshold", "0.5", "probability in \\[0, 1\\)"),
+    ("assistant_confidence_threshold", True, "probability in \\[0, 1\\)"),
     ("num_assistant_tokens", 0, "positive integer"),
     ("num_assistant_tokens", 2.5, "positive integer"),
+    ("num_assistant_tokens", float("inf"), "positive integer"),
+    ("num_assistant_tokens", True, "positive integer"),
 ])
 def test_bad_draft_length_settings_are_refused(targets, field, value, message):
     target = targets["llama"]
@@ -142,3 +144,43 @@ def test_draft_length_settings_are_not_saved(targets, tmp_path):
     reloaded = DFlash2DraftModel.from_pretrained(tmp_path)
     assert reloaded.generation_config.assistant_confidence_threshold is None
     assert reloaded.generation_config.num_assistant_tokens is None
+
+
+def test_sampling_cut_uses_temperature_1_probabilities(targets):
+    """A near-zero sampling temperature samples the greedy path, and the same threshold cuts it where greedy does
+    (the confidence is the temperature-1 selector probability, not the sharpened q)."""
+    target = targets["llama"]
+    drafter = randomize_selector(make_drafter(target), scale=1.0)
+    ids = _prompt(9, 4)
+    with torch.no_grad():
+        hs = target(ids, output_hidden_states=True).hidden_states
+
+    def propose(do_sample: bool, seed: int):
+        gen = cg.DFlash2CandidateGenerator(drafter, target, do_sample, 0.01, True,
+                                           GenerationStats(block_size=drafter.config.block_size),
+                                           confidence_threshold=0.6)
+        gen.add_context(hs, ids.shape[1] - 1)
+        torch.manual_seed(seed)
+        return gen.propose(ids, 5).tokens
+
+    greedy = propose(False, 0)
+    assert greedy.shape[1] < 5  # the threshold cuts this path
+    for seed in range(5):
+        assert torch.equal(propose(True, seed), greedy)
+
+
+def test_ignored_generate_kwargs_warn(targets, caplog):
+    target = targets["llama"]
+    drafter = make_drafter(target)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.enable_propagation()
+    try:
+        with caplog.at_level("WARNING"):
+            out = target.generate(_prompt(5, 0), assistant_model=drafter, max_new_tokens=6, do_sample=False,
+                                  num_assistant_tokens=2)
+    finally:
+        hf_logging.disable_propagation()
+    assert "draft.generation_config" in caplog.text and "num_assistant_tokens" in caplog.text
+    assert max(drafter.generation_stats.draft_lengths) > 2  # really ignored, as the warning says
+    assert out.shape[1] == 11

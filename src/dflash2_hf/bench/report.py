@@ -86,7 +86,7 @@ def aggregate(records: list[RawRecord], methods: tuple, block_size: int | None, 
                         prompt_lookup_num_tokens if method == "prompt_lookup" else None)
                     acceptance = per_position_rates(drafts, accepted, max_pos) if drafts else None
                 row.update(tau=fw_tau if method != "plain" else (1.0 if cycles else None), tau_source="target_forwards",
-                           mean_draft_length=sum(drafts) / len(drafts) if drafts else None,
+                           mean_draft_length=(sum(drafts) / len(drafts)) if drafts and method != "plain" else None,
                            per_position_acceptance=acceptance, acceptance_source="target_forwards",
                            split_source="forward_hooks")
                 prefill = sum(r.forwards["prefill_seconds"] for r in rs)
@@ -213,10 +213,12 @@ def markdown(results: dict) -> str:
             ident = "n/a"
         else:
             ident = f"{row['identical_to_plain']}/{row['num_prompts']}" + ("" if row["identical_all"] else " **NO**")
-        tau = _fmt(row["tau"]) + ("" if row["tau_source"] == "generation_stats" or row["method"] == "plain" else "†")
+        dagger = "" if row["tau_source"] == "generation_stats" or row["method"] == "plain" else "†"
+        tau = _fmt(row["tau"]) + dagger
+        drafts = _fmt(row.get("mean_draft_length"), ".2f", "-") + (dagger if row.get("mean_draft_length") else "")
         lines.append(
             f"| {row['dataset']} | {row['method']} | {_fmt(row['tokens_per_second'], '.1f')} | "
-            f"{_fmt(row['speedup'])}x | {tau} | {_fmt(row.get('mean_draft_length'), '.2f', '-')} | {ident} | "
+            f"{_fmt(row['speedup'])}x | {tau} | {drafts} | {ident} | "
             f"{_fmt(split['draft'], '.1f', '-')} | "
             f"{_fmt(split['select'], '.1f', '-')} | {_fmt(split['verify'], '.1f', '-')} | "
             f"{_fmt(split['rest'], '.1f', '-')} | {_fmt(row['prefill_ms_per_call'], '.0f')} |")
@@ -236,7 +238,8 @@ def markdown(results: dict) -> str:
         "",
         "tok/s: new tokens / wall seconds of the generate() calls (pooled over prompts); speedup: tok/s over plain's "
         "in this same interleaved run; tau: tokens per target verification (generation_stats; † = from counting target "
-        "forward calls with a hook); drafts: drafts verified per cycle; identical: prompts whose greedy output equals plain greedy token for token; "
+        "forward calls with a hook); drafts: drafts verified per cycle (cycles with room for one; † = counted with the "
+        "hook); identical: prompts whose greedy output equals plain greedy token for token; "
         "ms columns: per verification cycle (plain: per decoding step), rest = wall time not spent in the other "
         "columns or the prefill. See docs/bench.md.",
         "",

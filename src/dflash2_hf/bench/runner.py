@@ -19,6 +19,8 @@ METHODS = ("plain", "prompt_lookup", "builtin_dflash", "dflash2_top1", "dflash2"
 DRAFTER_METHODS = ("builtin_dflash", "dflash2_top1", "dflash2", "dflash2_dynamic", "dflash2_adapter")
 STATS_METHODS = ("dflash2_top1", "dflash2", "dflash2_dynamic", "dflash2_adapter")  # fill drafter.generation_stats
 
+_DRAFT_LENGTH_KNOBS = ("num_assistant_tokens", "assistant_confidence_threshold")  # drafter.generation_config
+
 METHOD_DESCRIPTIONS = {
     "plain": "target.generate() without speculation",
     "prompt_lookup": "target.generate(prompt_lookup_num_tokens=N) (n-gram lookup in the prompt, transformers)",
@@ -29,7 +31,7 @@ METHOD_DESCRIPTIONS = {
     "dflash2": "target.generate(assistant_model=drafter) (DFlash2 loop with the candidate selector)",
     "dflash2_dynamic": "target.generate(assistant_model=drafter) with drafter.generation_config."
                        "assistant_confidence_threshold set (DFlash2 loop with the candidate selector, each path cut "
-                       "after its first draft the selector gives less than the threshold)",
+                       "after its first draft whose selector probability is below the threshold)",
     "dflash2_adapter": "target.generate(assistant_model=adapted) with the same drafter plus a LoRA adapter, merged "
                        "(DFlash2 loop with the candidate selector)",
 }
@@ -77,8 +79,9 @@ class BenchSettings:
             raise ValueError("temperature must be >= 0")
         if self.max_new_tokens < 1:
             raise ValueError("max_new_tokens must be >= 1")
-        if not 0 < self.confidence_threshold < 1:
-            raise ValueError(f"confidence_threshold must be in (0, 1); got {self.confidence_threshold}")
+        if "dflash2_dynamic" in methods and not 0 < self.confidence_threshold < 1:
+            raise ValueError(f"confidence_threshold (bench --confidence-threshold) of method dflash2_dynamic must be "
+                             f"a probability in (0, 1); got {self.confidence_threshold}")
 
     @property
     def greedy(self) -> bool:
@@ -120,12 +123,13 @@ def generate_once(target, drafter, method: str, input_ids: torch.Tensor, setting
         raise ValueError(method)
     previous_flag = getattr(drafter, "use_selector", True) if drafter is not None else None
     draft_config = getattr(drafter, "generation_config", None) if method in STATS_METHODS else None
-    previous_threshold = getattr(draft_config, "assistant_confidence_threshold", None)
+    previous_knobs = {k: getattr(draft_config, k, None) for k in _DRAFT_LENGTH_KNOBS}
     if method in DRAFTER_METHODS:
         drafter.generation_stats = None
         if method == "dflash2_top1":
             drafter.use_selector = False
     if draft_config is not None:  # only dflash2_dynamic cuts paths; the others propose full blocks
+        draft_config.num_assistant_tokens = None
         draft_config.assistant_confidence_threshold = (
             settings.confidence_threshold if method == "dflash2_dynamic" else None)
     device = input_ids.device
@@ -139,7 +143,8 @@ def generate_once(target, drafter, method: str, input_ids: torch.Tensor, setting
         if drafter is not None:
             drafter.use_selector = previous_flag
         if draft_config is not None:
-            draft_config.assistant_confidence_threshold = previous_threshold
+            for key, value in previous_knobs.items():
+                setattr(draft_config, key, value)
     stats = None
     if method in STATS_METHODS:
         if drafter.generation_stats is None:

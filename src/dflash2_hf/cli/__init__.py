@@ -19,6 +19,17 @@ SUBCOMMANDS = {
 }
 
 
+def probability(text: str) -> float:
+    """argparse type of a threshold in ``[0, 1)`` (0 = off)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"must be a probability in [0, 1) (0 = off); got {text}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dflash2", description="DFlash2 speculative decoding for transformers")
     sub = parser.add_subparsers(dest="command", required=True)

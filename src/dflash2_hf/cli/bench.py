@@ -21,6 +21,8 @@ import argparse
 import os
 import sys
 
+from . import probability
+
 _DTYPES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16"}
 
 
@@ -64,9 +66,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "reference of the speedup and of the identity check; --adapter adds dflash2_adapter)")
     parser.add_argument("--prompt-lookup-tokens", type=int, default=10,
                         help="prompt_lookup_num_tokens of the prompt_lookup baseline (default 10)")
-    parser.add_argument("--confidence-threshold", type=float, default=0.7,
+    parser.add_argument("--confidence-threshold", type=probability, default=0.7,
                         help="assistant_confidence_threshold of the dflash2_dynamic method: each drafted path is cut "
-                             "after its first draft the selector gives less than this probability (default 0.7)")
+                             "after its first draft whose selector probability is below this value (default 0.7)")
     parser.add_argument("--raw-prompts", action="store_true",
                         help="JSONL 'prompt' strings are fed as raw text instead of one user chat message")
     parser.add_argument("--out", required=True, help="output folder")

@@ -1,14 +1,16 @@
 """The main job: the shipped drafter on the bundled real target, real prompts, text + tau + speedup.
 
-Runs plain ``generate()`` and ``generate(..., assistant_model=draft)`` side by side (interleaved, same prompts, same
+Runs plain ``generate()``, ``generate(..., assistant_model=draft)`` with full blocks, and the same with a dynamic draft
+length (``draft.generation_config.assistant_confidence_threshold``) side by side (interleaved, same prompts, same
 dtype, same ``max_new_tokens``) on ShareGPT development records [16000, 17000) and HumanEval, prints every generated
-text, whether greedy outputs were identical, ``tau`` and the measured speedup; writes the full benchmark files too.
+text, whether greedy outputs were identical, ``tau`` and the measured speedups; writes the full benchmark files too.
 """
 
 from __future__ import annotations
 
 import argparse
 
+from . import probability
 from .generate import DEFAULT_DRAFTER
 
 
@@ -22,9 +24,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--drafter-dtype", default="bf16", choices=("bf16", "fp32"),
                         help="drafter precision (default bf16: cheaper drafting; the fp32 target's verification "
                              "keeps the output identical)")
-    parser.add_argument("--confidence-threshold", type=float, default=0.7,
-                        help="also runs dflash2 with a dynamic draft length: each path cut after its first draft the "
-                             "selector gives less than this probability (default 0.7; cheaper verification on CPUs)")
+    parser.add_argument("--confidence-threshold", type=probability, default=0.7,
+                        help="also runs dflash2 with a dynamic draft length: each path cut after its first draft whose "
+                             "selector probability is below this value (default 0.7: cheaper verification on CPUs; "
+                             "0 = skip that run)")
     parser.add_argument("--num-threads", type=int, default=None,
                         help="torch CPU threads (use 1 on a busy machine: oversubscribed cores make timings noisy)")
 
@@ -41,8 +44,9 @@ def run(args: argparse.Namespace) -> int:
     target, tokenizer = load_target(args.target)
     drafter = load_drafter(args.drafter, target, dtype=torch.bfloat16 if args.drafter_dtype == "bf16" else torch.float32)
     prompts, _ = load_bench_prompts(args.datasets.split(","), tokenizer, num_prompts=args.num_prompts)
-    settings = BenchSettings(max_new_tokens=args.max_new_tokens, methods=("plain", "dflash2", "dflash2_dynamic"),
-                             confidence_threshold=args.confidence_threshold)
+    methods = ("plain", "dflash2") + (("dflash2_dynamic",) if args.confidence_threshold else ())
+    settings = BenchSettings(max_new_tokens=args.max_new_tokens, methods=methods,
+                             confidence_threshold=args.confidence_threshold or 0.7)
     results = run_benchmark(target, drafter, prompts, settings, out_dir=args.out,
                             meta={"target": args.target, "drafter": args.drafter,
                                   "drafter_dtype": args.drafter_dtype})
@@ -50,16 +54,17 @@ def run(args: argparse.Namespace) -> int:
     texts = {}
     for rec in results["records"]:
         texts.setdefault((rec["dataset"], rec["prompt_id"]), {})[rec["method"]] = rec
+    labels = {"dflash2": "full blocks", "dflash2_dynamic": f"draft cut at confidence < {args.confidence_threshold}"}
     for (dataset, prompt_id), by_method in texts.items():
-        spec = by_method["dflash2"]
-        stats = spec["generation_stats"]
-        print(f"\n=== {dataset} {prompt_id}: tau {stats['tau']:.2f}, identical to plain greedy: "
-              f"{spec['identical_to_plain']}, {spec['tokens_per_second']:.1f} vs "
-              f"{by_method['plain']['tokens_per_second']:.1f} tokens/s")
-        print(tokenizer.decode(spec["output_ids"], skip_special_tokens=True))
+        print(f"\n=== {dataset} {prompt_id}: plain generate() {by_method['plain']['tokens_per_second']:.1f} tokens/s")
+        for method, label in labels.items():
+            if method in by_method:
+                rec = by_method[method]
+                print(f"    {label}: tau {rec['generation_stats']['tau']:.2f}, {rec['tokens_per_second']:.1f} tokens/s, "
+                      f"identical to plain greedy: {rec['identical_to_plain']}")
+        print(tokenizer.decode(by_method["dflash2"]["output_ids"], skip_special_tokens=True))
 
     print("\n" + "=" * 72)
-    labels = {"dflash2": "full blocks", "dflash2_dynamic": f"draft cut at confidence < {args.confidence_threshold}"}
     for agg in results["aggregates"]:
         if agg["method"] not in labels:
             continue

@@ -13,6 +13,8 @@ import time
 import torch
 from transformers import TextStreamer
 
+from . import probability
+
 DEFAULT_DRAFTER = "model_cards/dflash2-smollm2-135m-instruct"
 
 
@@ -25,10 +27,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     parser.add_argument("--top-p", type=float, default=None)
     parser.add_argument("--no-selector", action="store_true", help="top-1 path instead of the candidate selector")
-    parser.add_argument("--confidence-threshold", type=float, default=None,
-                        help="dynamic draft length: cut each drafted path after its first draft the selector gives "
-                             "less than this probability (drafter.generation_config.assistant_confidence_threshold; "
-                             "default: full blocks). Saves verification work where it grows with the block (CPUs)")
+    parser.add_argument("--confidence-threshold", type=probability, default=0.0,
+                        help="dynamic draft length: cut each drafted path after its first draft whose probability "
+                             "(selector, or top-k softmax with --no-selector) is below this value "
+                             "(drafter.generation_config.assistant_confidence_threshold; default 0 = full blocks). "
+                             "Saves verification work where it grows with the block (CPUs)")
+    parser.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: torch's default)")
     parser.add_argument("--compare", action="store_true",
                         help="also run plain generate() and print the speedup and (greedy) whether outputs match")
 
@@ -58,10 +62,12 @@ def prompt_ids(tokenizer, text: str) -> torch.LongTensor:
 def run(args: argparse.Namespace) -> int:
     from ..targets import load_target
 
+    if args.num_threads:
+        torch.set_num_threads(args.num_threads)
     target, tokenizer = load_target(args.target)
     drafter = load_drafter(args.drafter, target)
     drafter.use_selector = not args.no_selector
-    drafter.generation_config.assistant_confidence_threshold = args.confidence_threshold
+    drafter.generation_config.assistant_confidence_threshold = args.confidence_threshold or None
     ids = prompt_ids(tokenizer, args.prompt).to(target.device)
     sampling = dict(do_sample=args.temperature > 0)
     if args.temperature > 0:

@@ -64,14 +64,15 @@ def walk_sampled(scores: torch.Tensor, temperature: float) -> tuple[list[int], t
 
 
 def path_confidence(scores: torch.Tensor, path: list[int]) -> torch.Tensor:
-    """``(P,)`` float32: the selector's probability of each path step given its predecessor.
+    """``(P,)`` float32: the drafter's probability of each path step given its predecessor.
 
-    ``softmax(S_t(prev, .))`` at the chosen candidate, over the top-k; ``scores`` is ``(P, a, k)`` with
-    ``a = 1`` when there is no predecessor dependence (the top-1 / unary-only case).
+    ``softmax(S_t(prev, .))`` at the chosen candidate over the top-k, at temperature 1 whatever the generation
+    temperature (so one threshold means the same in greedy and sampling). ``scores``: ``(P, k, k)`` pair scores
+    (selector; without it the top-k logits repeated for every predecessor).
     """
     steps = torch.arange(len(path), device=scores.device)
     chosen = torch.tensor(path, device=scores.device)
-    prev = torch.cat([chosen.new_zeros(1), chosen[:-1]]) if scores.shape[1] > 1 else torch.zeros_like(chosen)
+    prev = torch.cat([chosen.new_zeros(1), chosen[:-1]])  # row 0 of position 1 is the anchor
     rows = torch.softmax(scores[steps, prev].float(), dim=-1)  # (P, k)
     return rows[steps, chosen]
 
@@ -79,9 +80,10 @@ def path_confidence(scores: torch.Tensor, path: list[int]) -> torch.Tensor:
 def confident_prefix(confidence: torch.Tensor, threshold: float | None) -> int:
     """How many drafts to verify: up to and including the first one whose confidence is below ``threshold``.
 
-    The same cut as ``transformers``' ``ConfidenceCriteria`` (``assistant_confidence_threshold``): the first
-    low-confidence draft is still proposed, so a threshold never leaves a cycle without a draft. ``None`` or 0 keeps
-    them all. The cut depends on the drafter alone, so verification (greedy or rejection sampling) stays exact.
+    Like ``transformers``' ``ConfidenceCriteria`` the first low-confidence draft is still proposed, so a cycle with
+    room for a draft always gets one (the confidence itself is :func:`path_confidence`, not a full-vocabulary
+    softmax). ``None`` or 0 keeps them all. The cut depends on the drafter alone, so verification (greedy or
+    rejection sampling) stays exact.
     """
     if not threshold:
         return confidence.shape[0]
@@ -119,9 +121,10 @@ class DFlash2CandidateGenerator:
         temperature: selector sampling temperature (the generation temperature).
         use_selector: False = the top-1 path / plain top-k proposal (the selector's measured baseline).
         stats: where drafting and selection times are added.
-        confidence_threshold: cut each proposed path after its first draft whose confidence (the selector's
-            probability of the step, or the top-1 probability without the selector) is below this value
-            (:func:`confident_prefix`); ``None`` proposes every requested draft.
+        confidence_threshold: cut each proposed path after its first draft whose confidence
+            (:func:`path_confidence`: the selector's probability of the step over the top-k, or the top-k softmax
+            without the selector) is below this value (:func:`confident_prefix`); ``None`` proposes every requested
+            draft.
     """
 
     def __init__(
@@ -190,29 +193,23 @@ class DFlash2CandidateGenerator:
             logits = self.drafter.compute_logits(hidden, self.lm_head)[0]  # (P, V) or (P, draft vocab)
 
         with timed(self.stats, "select_seconds", self.device):
-            if not self.do_sample and self.selector is None:
-                top_prob, top_ids = torch.softmax(logits.float(), dim=-1).max(-1)
-                keep = confident_prefix(top_prob, self.confidence_threshold)
-                return DraftProposal(tokens=self._to_target_ids(top_ids[:keep])[None])
+            if not self.do_sample and self.selector is None and not self.confidence_threshold:
+                return DraftProposal(tokens=self._to_target_ids(logits.argmax(-1))[None])
             top_logits, candidate_ids = logits.topk(self.top_k, dim=-1)  # (P, k)
             candidate_ids = self._to_target_ids(candidate_ids)
-            if self.selector is None:
-                scores = top_logits[:, None, :]  # the unary term alone: no predecessor dependence
+            if self.selector is None:  # the unary term alone: the same row for every predecessor
+                scores = top_logits[:, None, :].expand(-1, self.top_k, -1)
             else:
                 # predecessors: the anchor for position 1, the k candidates of t-1 for position t
                 anchor = input_ids[:, -1].to(self.device).expand(1, self.top_k)
                 predecessors = torch.cat([anchor, candidate_ids[:-1]], dim=0)
                 scores = self.selector.pair_scores(hidden[0], predecessors, candidate_ids, top_logits)
             if self.do_sample:
-                if self.selector is None:
-                    scores = scores.expand(-1, self.top_k, -1)
                 path, q = walk_sampled(scores, self.temperature)
-                confidence = q[torch.arange(len(path)), path] if self.confidence_threshold else None
             else:
                 path, q = walk_greedy(scores), None
-                confidence = path_confidence(scores, path) if self.confidence_threshold else None
-            if confidence is not None:
-                keep = confident_prefix(confidence, self.confidence_threshold)
+            if self.confidence_threshold:
+                keep = confident_prefix(path_confidence(scores, path), self.confidence_threshold)
                 path, candidate_ids = path[:keep], candidate_ids[:keep]
                 q = None if q is None else q[:keep]
             index = torch.tensor(path, device=self.device)

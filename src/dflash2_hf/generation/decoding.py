@@ -17,19 +17,24 @@ cache cropping) with three differences that the stock loop cannot offer:
 from __future__ import annotations
 
 import copy
+import numbers
 import time
 
 import torch
+from transformers import GenerationConfig
 from transformers.generation.candidate_generator import (
     _prepare_attention_mask,
     _prepare_position_ids,
     _prepare_token_type_ids,
 )
 from transformers.generation.utils import GenerateDecoderOnlyOutput
+from transformers.utils import logging
 
 from ..errors import UnsupportedGenerationError
 from .candidate_generator import DFlash2CandidateGenerator, DraftProposal
 from .stats import GenerationStats, timed
+
+logger = logging.get_logger(__name__)
 
 # transformers 5.24 renamed the generation cache kwarg/output field `past_key_values` -> `cache`.
 _CACHE_KEYS = ("cache", "past_key_values")
@@ -64,26 +69,42 @@ def _validate(target, input_ids, generation_config, synced_gpus, model_kwargs) -
 
 
 def _draft_length_settings(drafter) -> tuple[int, float | None]:
-    """``(max drafts per cycle, confidence threshold)`` from the drafter's ``generation_config`` assistant knobs.
+    """``(max drafts per cycle, confidence threshold or None)`` from the drafter's ``generation_config``.
 
     Raises:
-        ValueError: ``num_assistant_tokens`` < 1 or ``assistant_confidence_threshold`` outside ``[0, 1)``.
+        ValueError: ``num_assistant_tokens`` not a positive integer, or ``assistant_confidence_threshold`` not a
+            number in ``[0, 1)``.
     """
     block_drafts = drafter.config.block_size - 1
     config = getattr(drafter, "generation_config", None)
     cap = getattr(config, "num_assistant_tokens", None)
     threshold = getattr(config, "assistant_confidence_threshold", None)
-    if cap is not None and (int(cap) != cap or cap < 1):
+    if cap is not None and (isinstance(cap, bool) or not isinstance(cap, numbers.Integral) or cap < 1):
         raise ValueError(
-            f"drafter.generation_config.num_assistant_tokens must be a positive integer (drafts per cycle, at most "
-            f"block_size - 1 = {block_drafts}); got {cap!r}. Set None for full blocks."
+            f"draft.generation_config.num_assistant_tokens must be a positive integer (drafts per cycle, at most "
+            f"block_size - 1 = {block_drafts}); got {cap!r}. None = full blocks."
         )
-    if threshold is not None and not 0 <= threshold < 1:
+    if threshold is not None and (
+        isinstance(threshold, bool) or not isinstance(threshold, numbers.Real) or not 0 <= threshold < 1
+    ):
         raise ValueError(
-            f"drafter.generation_config.assistant_confidence_threshold must be in [0, 1) (a probability); got "
-            f"{threshold!r}. Set None to propose full blocks."
+            f"draft.generation_config.assistant_confidence_threshold must be a probability in [0, 1); got "
+            f"{threshold!r}. None (or 0) = no cut, full blocks."
         )
     return min(block_drafts, int(cap)) if cap is not None else block_drafts, threshold or None
+
+
+def _warn_ignored_generate_knobs(generation_config) -> None:
+    """``generate(..., num_assistant_tokens=...)`` etc. do not reach the drafter: say where they belong."""
+    defaults = getattr(GenerationConfig, "_get_default_generation_params", dict)()
+    changed = [key for key in ("num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold")
+               if key in defaults and getattr(generation_config, key, None) not in (None, defaults[key])]
+    if changed:
+        logger.warning_once(
+            f"{', '.join(changed)} (passed to generate() or set on the target's generation config) are ignored with a DFlash2 drafter: set "
+            "draft.generation_config.num_assistant_tokens / assistant_confidence_threshold instead (fixed values; "
+            "the 'heuristic' schedule is not used)."
+        )
 
 
 def _first_stop(stopping_criteria, sequence: torch.LongTensor, start: int, scores) -> int | None:
@@ -179,6 +200,7 @@ def dflash2_assisted_decoding(
     drafter = assistant_model.get_base_model() if hasattr(assistant_model, "get_base_model") else assistant_model
     drafter.check_target(target)
     max_drafts, confidence_threshold = _draft_length_settings(drafter)
+    _warn_ignored_generate_knobs(generation_config)
     cache_key = _cache_key(model_kwargs)
     target_cache = model_kwargs[cache_key]
     if target_cache.get_seq_length() > 0:

@@ -49,8 +49,12 @@ class GenerationStats:
 
     @property
     def mean_draft_length(self) -> float:
-        """Drafts verified per cycle on average (the target's extra positions per forward)."""
-        return sum(self.draft_lengths) / len(self.draft_lengths) if self.draft_lengths else 0.0
+        """Drafts verified per cycle on average (the target's extra positions per forward).
+
+        Over the cycles that had room for a draft: the last cycle before ``max_length`` may have none.
+        """
+        drafted = [d for d in self.draft_lengths if d > 0]
+        return sum(drafted) / len(drafted) if drafted else 0.0
 
     def per_position_acceptance(self) -> list[float | None]:
         """Rate at which draft position ``i`` (1-based, list index ``i - 1``) was accepted.

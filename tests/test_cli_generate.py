@@ -1,0 +1,42 @@
+"""`dflash2 generate` and `dflash2 demo` (the README's main job) on the real target with the shipped drafter."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from dflash2_hf.cli import main
+
+SHIPPED = str(Path(__file__).resolve().parents[1] / "model_cards" / "dflash2-smollm2-135m-instruct")
+
+
+def test_generate_with_a_confidence_threshold(capsys):
+    rc = main(["generate", "--drafter", SHIPPED, "--prompt", "Write a haiku about the sea.", "--max-new-tokens", "16",
+               "--confidence-threshold", "0.7", "--compare", "--num-threads", "1"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "greedy outputs identical: True" in out
+    assert "drafts verified per cycle" in out
+
+
+@pytest.mark.parametrize("value", ["1.5", "-0.1", "abc"])
+def test_generate_rejects_a_bad_threshold(value, capsys):
+    with pytest.raises(SystemExit) as err:
+        main(["generate", "--prompt", "x", "--confidence-threshold", value])
+    assert err.value.code == 2
+    assert "--confidence-threshold" in capsys.readouterr().err
+
+
+def test_demo_runs_full_blocks_and_dynamic_length(tmp_path, capsys):
+    rc = main(["demo", "--drafter", SHIPPED, "--num-prompts", "1", "--max-new-tokens", "12", "--datasets", "humaneval",
+               "--out", str(tmp_path), "--num-threads", "1"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "full blocks: tau" in out and "draft cut at confidence < 0.7: tau" in out
+    assert out.count("identical to plain greedy: True") == 2
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert {r["method"] for r in data["records"]} == {"plain", "dflash2", "dflash2_dynamic"}
+    assert all(r["identical_to_plain"] for r in data["records"])
+    assert data["settings"]["confidence_threshold"] == 0.7
