@@ -123,3 +123,15 @@ def test_cli_prints_one_line_errors(capsys, tmp_path):
     assert main(["generate", "--target", "smollm2", "--drafter", str(tmp_path / "missing"), "--prompt", "hi"]) == 2
     err = capsys.readouterr().err
     assert "dflash2 generate: error: No drafter folder" in err and "Traceback" not in err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
+@pytest.mark.parametrize("command", [["prepare-data", "--out", "unused"], ["train", "--data", "unused", "--output", "unused"]])
+def test_device_cuda_without_gpu_is_refused_before_any_work(command, capsys, tmp_path, monkeypatch):
+    from dflash2_hf.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(command + ["--device", "cuda"]) == 2
+    err = capsys.readouterr().err
+    assert "--device cuda" in err and "use --device cpu" in err
+    assert not any(tmp_path.iterdir())  # nothing written

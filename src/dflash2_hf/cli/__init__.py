@@ -30,6 +30,27 @@ def probability(text: str) -> float:
     return value
 
 
+def add_device_argument(parser: argparse.ArgumentParser, what: str) -> None:
+    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
+                        help=f"where {what} runs (default auto: the GPU when torch sees one, else the CPU)")
+
+
+def resolve_device(spec: str):
+    """``torch.device`` for a ``--device`` value.
+
+    Raises:
+        ValueError: ``cuda`` asked for but ``torch.cuda.is_available()`` is False.
+    """
+    import torch
+
+    if spec == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if spec == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device cuda: torch {torch.__version__} sees no CUDA GPU (a CPU-only build or no driver); "
+                         "use --device cpu")
+    return torch.device(spec)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dflash2", description="DFlash2 speculative decoding for transformers")
     sub = parser.add_subparsers(dest="command", required=True)

@@ -16,6 +16,8 @@ import json
 import logging
 import sys
 
+from . import add_device_argument, resolve_device
+
 _DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
            "float16": "float16", "fp16": "float16"}
 
@@ -53,6 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "filtered_out")
     parser.add_argument("--note", default=None, help="free text stored in meta.json")
     parser.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
+    add_device_argument(parser, "the target's regeneration")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -65,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
     dtype = getattr(torch, _DTYPES[args.dtype])
-    model, tokenizer = load_target(args.target, dtype=dtype)
+    model, tokenizer = load_target(args.target, dtype=dtype, device=resolve_device(args.device))
     note = args.note
     if dtype != torch.float32 and not note:
         note = f"generated in {args.dtype}: greedy output can differ from float32 serving"

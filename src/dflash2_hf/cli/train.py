@@ -25,6 +25,8 @@ import os
 import sys
 import time
 
+from . import add_device_argument, resolve_device
+
 logger = logging.getLogger("dflash2.train")
 
 
@@ -40,6 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="dtype of the target forward that computes the features (stored as bfloat16 either way; "
                         "default float32 = serving dtype, as fast as bf16 on these CPUs with one thread)")
     g.add_argument("--max-length", type=int, default=1024, help="longest context per sequence (tokens)")
+    add_device_argument(g, "the target's feature pass and the training")
     g.add_argument("--max-records", type=int, default=None, help="use the first N records (by record_id)")
     g.add_argument("--feature-time-budget", type=float, default=None,
                    help="stop computing features after this many minutes and train on what is cached")
@@ -300,7 +303,8 @@ def run(args: argparse.Namespace) -> int:
     resume_from = last_complete_checkpoint(args.output) if args.resume else None
     if args.resume and resume_from is None:
         logger.warning("--resume: no checkpoint in %s yet, starting fresh", args.output)
-    target, tokenizer = load_target(args.target, dtype=torch.float32)
+    device = resolve_device(args.device)
+    target, tokenizer = load_target(args.target, dtype=torch.float32, device=device)
     drafter = build_drafter(args, target, resume_from)
     cfg = drafter.config
     n_params = sum(p.numel() for p in drafter.parameters())
@@ -371,6 +375,7 @@ def run(args: argparse.Namespace) -> int:
         save_steps=args.save_steps,
         save_total_limit=args.save_total_limit,
         bf16=args.bf16,
+        use_cpu=device.type == "cpu",
         seed=args.seed,
         disable_tqdm=not progress,
         loss_gamma=args.gamma,

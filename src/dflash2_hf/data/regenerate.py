@@ -632,8 +632,8 @@ def _prepare_locked(target, tokenizer, out, start, stop, max_turns, max_prompt_t
     del per_shard
 
     run = {"started": time.strftime("%Y-%m-%dT%H:%M:%S"), "record_range": [start, stop], "resumed_with": len(done),
-           "batch_size": batch_size, "num_threads": torch.get_num_threads(), "torch": torch.__version__,
-           "transformers": __import__("transformers").__version__, "python": platform.python_version(),
+           "batch_size": batch_size, "num_threads": torch.get_num_threads(), "device": str(target.device),
+           "torch": torch.__version__, "transformers": __import__("transformers").__version__, "python": platform.python_version(),
            "host": platform.node()}
     meta["runs"].append(run)
     stats = {"generated_tokens": 0, "prompt_tokens": 0, "gen_seconds": 0.0}
