@@ -101,9 +101,9 @@ def _warn_ignored_generate_knobs(generation_config) -> None:
                if key in defaults and getattr(generation_config, key, None) not in (None, defaults[key])]
     if changed:
         logger.warning_once(
-            f"{', '.join(changed)} (passed to generate() or set on the target's generation config) are ignored with a DFlash2 drafter: set "
-            "draft.generation_config.num_assistant_tokens / assistant_confidence_threshold instead (fixed values; "
-            "the 'heuristic' schedule is not used)."
+            f"{', '.join(changed)} (passed to generate() or set on the target's generation config) are ignored with "
+            "a DFlash2 drafter: set draft.generation_config.num_assistant_tokens / assistant_confidence_threshold "
+            "instead (fixed values; the 'heuristic' schedule is not used)."
         )
 
 
