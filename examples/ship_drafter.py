@@ -36,7 +36,7 @@ def recipe_text(drafter_dir: Path, data_dir: Path, records: int, coverage: float
         f"running: training followed it (`--follow-data`), so the drafter saw a set growing to {records} kept "
         f"records (about {sum_tokens} response tokens). Generation settings: `{json.dumps(gen)}`.\n"
         f"- **Training** (`transformers.Trainer`, CPU, {cmd.get('threads')} thread): `dflash2 {args}`\n"
-        f"- **Summary**: `{json.dumps({k: summary[k] for k in list(summary)[:12]}) if summary else 'n/a'}`\n"
+        f"- **Summary**: `{json.dumps({k: v for k, v in list(summary.items())[:12] if k != 'feature_cache'}) if summary else 'n/a'}`\n"
         f"- **Draft vocabulary**: the {vocab} most frequent response tokens of that data (coverage {coverage:.4f} of "
         "its response tokens); the target's LM head is applied to those rows only when drafting.\n"
         "- **Weights** stored in bf16 (drafting in bf16 on an fp32 target is lossless: the target verifies)."

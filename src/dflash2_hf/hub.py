@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import tempfile
 from pathlib import Path
 
@@ -178,8 +179,10 @@ def bench_results_section(results_md: str | os.PathLike | None, missing: str = "
     bench_json = Path(results_md).with_name("results.json")
     command = json.loads(bench_json.read_text())["meta"].get("command") if bench_json.exists() else None
     command = command.replace("dflash2 bench bench", "dflash2 bench") if command else None  # runs before the fix
+    # the report's own title becomes a sub-heading of the card's "Measured results" section
+    table = re.sub(r"^# ", "### ", Path(results_md).read_text(), count=1, flags=re.MULTILINE)
     return (f"Measured with `{command}` (this repository, on the CPU machine described below).\n\n"
-            if command else "") + Path(results_md).read_text()
+            if command else "") + table
 
 
 def resolve_model_card(drafter, model_card: ModelCard | str | os.PathLike | None) -> ModelCard:
