@@ -240,6 +240,8 @@ class DFlash2DraftModel(DFlash2PreTrainedModel):
     Attributes:
         generation_stats (:class:`~dflash2_hf.generation.GenerationStats` or None): acceptance statistics of the
             last ``generate()`` call that used this drafter.
+        use_selector (bool): True (default) walks the candidate selector's best path; False drafts the top-1 path
+            (the selector's measured baseline). Read at every ``generate()`` call, not saved.
         generation_config (``transformers.GenerationConfig``): the assistant knobs ``transformers`` defines, read by
             the DFlash2 loop at every ``generate()`` call: ``num_assistant_tokens`` caps the drafts per cycle (at
             most ``block_size - 1``), ``assistant_confidence_threshold`` cuts each proposed path after its first
@@ -262,6 +264,7 @@ class DFlash2DraftModel(DFlash2PreTrainedModel):
         else:
             self.draft_vocab_ids = None
         self.generation_stats = None
+        self.use_selector = True
         self.post_init()
         self.generation_config = GenerationConfig(num_assistant_tokens=None, assistant_confidence_threshold=None)
 

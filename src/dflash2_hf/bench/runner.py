@@ -9,6 +9,7 @@ the first prompt (warm-up: first-call allocations, lazy initialisation). Each ti
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -18,8 +19,6 @@ from .recorder import ForwardRecorder
 METHODS = ("plain", "prompt_lookup", "builtin_dflash", "dflash2_top1", "dflash2", "dflash2_dynamic", "dflash2_adapter")
 DRAFTER_METHODS = ("builtin_dflash", "dflash2_top1", "dflash2", "dflash2_dynamic", "dflash2_adapter")
 STATS_METHODS = ("dflash2_top1", "dflash2", "dflash2_dynamic", "dflash2_adapter")  # fill drafter.generation_stats
-
-_DRAFT_LENGTH_KNOBS = ("num_assistant_tokens", "assistant_confidence_threshold")  # drafter.generation_config
 
 METHOD_DESCRIPTIONS = {
     "plain": "target.generate() without speculation",
@@ -104,6 +103,36 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
+_MISSING = object()
+
+
+@contextmanager
+def _method_settings(drafter, method: str, settings: BenchSettings):
+    """Gives the drafter the settings ``method`` runs with, restored afterwards: the selector off for
+    ``dflash2_top1``; full blocks for every DFlash2 method but ``dflash2_dynamic``, which gets the bench's
+    confidence threshold (a caller's own draft-length knobs never leak into a measured method)."""
+    changes = []
+    if method in STATS_METHODS:
+        if method == "dflash2_top1":
+            changes.append((drafter, "use_selector", False))
+        config = getattr(drafter, "generation_config", None)
+        if config is not None:
+            changes += [(config, "num_assistant_tokens", None),
+                        (config, "assistant_confidence_threshold",
+                         settings.confidence_threshold if method == "dflash2_dynamic" else None)]
+    previous = [(obj, name, getattr(obj, name, _MISSING)) for obj, name, _ in changes]
+    for obj, name, value in changes:
+        setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        for obj, name, value in previous:
+            if value is _MISSING:
+                delattr(obj, name)
+            else:
+                setattr(obj, name, value)
+
+
 def generate_once(target, drafter, method: str, input_ids: torch.Tensor, settings: BenchSettings,
                   max_new_tokens: int | None = None) -> tuple[torch.Tensor, float, dict | None]:
     """One timed ``generate()`` call of ``method``.
@@ -121,30 +150,15 @@ def generate_once(target, drafter, method: str, input_ids: torch.Tensor, setting
         kwargs["assistant_model"] = drafter
     elif method != "plain":
         raise ValueError(method)
-    previous_flag = getattr(drafter, "use_selector", True) if drafter is not None else None
-    draft_config = getattr(drafter, "generation_config", None) if method in STATS_METHODS else None
-    previous_knobs = {k: getattr(draft_config, k, None) for k in _DRAFT_LENGTH_KNOBS}
     if method in DRAFTER_METHODS:
         drafter.generation_stats = None
-        if method == "dflash2_top1":
-            drafter.use_selector = False
-    if draft_config is not None:  # only dflash2_dynamic cuts paths; the others propose full blocks
-        draft_config.num_assistant_tokens = None
-        draft_config.assistant_confidence_threshold = (
-            settings.confidence_threshold if method == "dflash2_dynamic" else None)
     device = input_ids.device
-    try:
+    with _method_settings(drafter, method, settings):
         _sync(device)
         start = time.perf_counter()
         out = target.generate(input_ids, **kwargs)
         _sync(device)
         seconds = time.perf_counter() - start
-    finally:
-        if drafter is not None:
-            drafter.use_selector = previous_flag
-        if draft_config is not None:
-            for key, value in previous_knobs.items():
-                setattr(draft_config, key, value)
     stats = None
     if method in STATS_METHODS:
         if drafter.generation_stats is None:

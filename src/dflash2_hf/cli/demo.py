@@ -46,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
     prompts, _ = load_bench_prompts(args.datasets.split(","), tokenizer, num_prompts=args.num_prompts)
     methods = ("plain", "dflash2") + (("dflash2_dynamic",) if args.confidence_threshold else ())
     settings = BenchSettings(max_new_tokens=args.max_new_tokens, methods=methods,
-                             confidence_threshold=args.confidence_threshold or 0.7)
+                             confidence_threshold=args.confidence_threshold)
     results = run_benchmark(target, drafter, prompts, settings, out_dir=args.out,
                             meta={"target": args.target, "drafter": args.drafter,
                                   "drafter_dtype": args.drafter_dtype})

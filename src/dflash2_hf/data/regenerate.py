@@ -113,14 +113,15 @@ def conversation_turns(record: dict, max_turns: int) -> tuple[str | None, list[s
     convs = (record.get("conversations", record.get("messages"))) if isinstance(record, dict) else None
     if not isinstance(convs, list) or not all(isinstance(t, dict) for t in convs):
         raise _Skip("malformed")
-    convs = [{"from": t.get("from", t.get("role")), "value": t.get("value", t.get("content"))} for t in convs]
-    for turn in convs:
-        if not isinstance(turn["value"], str):
+    turns = []
+    for t in convs:
+        role, value = t.get("from", t.get("role")), t.get("value", t.get("content"))
+        if not isinstance(value, str):
             raise _Skip("malformed")
-    convs = [dict(t, **{"from": ROLE_ALIASES.get(t["from"], t["from"])}) for t in convs]
-    for turn in convs:
-        if turn.get("from") not in ROLE_MAP:
-            raise _Skip("unknown_role")
+        turns.append({"from": ROLE_ALIASES.get(role, role), "value": value})
+    if any(turn["from"] not in ROLE_MAP for turn in turns):
+        raise _Skip("unknown_role")
+    convs = turns
     i = 0
     systems = []
     while i < len(convs) and convs[i]["from"] == "system":
@@ -633,8 +634,8 @@ def _prepare_locked(target, tokenizer, out, start, stop, max_turns, max_prompt_t
 
     run = {"started": time.strftime("%Y-%m-%dT%H:%M:%S"), "record_range": [start, stop], "resumed_with": len(done),
            "batch_size": batch_size, "num_threads": torch.get_num_threads(), "device": str(target.device),
-           "torch": torch.__version__, "transformers": __import__("transformers").__version__, "python": platform.python_version(),
-           "host": platform.node()}
+           "torch": torch.__version__, "transformers": __import__("transformers").__version__,
+           "python": platform.python_version(), "host": platform.node()}
     meta["runs"].append(run)
     stats = {"generated_tokens": 0, "prompt_tokens": 0, "gen_seconds": 0.0}
 

@@ -219,7 +219,7 @@ def dflash2_assisted_decoding(
         target,
         do_sample=do_sample,
         temperature=float(generation_config.temperature or 1.0) if do_sample else 1.0,
-        use_selector=getattr(drafter, "use_selector", True),
+        use_selector=drafter.use_selector,
         stats=stats,
         confidence_threshold=confidence_threshold,
     )
