@@ -183,7 +183,8 @@ def test_conversation_turns_rules():
     for rec, reason in [(_conv(("bing", "x"), ("human", "a")), "unknown_role"),
                         (_conv(("gpt", "x")), "no_human_turn"), (_conv(), "no_human_turn"),
                         (_conv(("human", " \n")), "empty_turn"), ({"id": "x"}, "malformed"),
-                        ({"conversations": [{"from": "human", "value": 3}]}, "malformed")]:
+                        ({"conversations": [{"from": "human", "value": 3}]}, "malformed"),
+                        ({"conversations": [{"from": ["human"], "value": "a"}]}, "unknown_role")]:
         with pytest.raises(Exception) as info:
             conversation_turns(rec, 1)
         assert info.value.reason == reason

@@ -118,7 +118,7 @@ def conversation_turns(record: dict, max_turns: int) -> tuple[str | None, list[s
         role, value = t.get("from", t.get("role")), t.get("value", t.get("content"))
         if not isinstance(value, str):
             raise _Skip("malformed")
-        turns.append({"from": ROLE_ALIASES.get(role, role), "value": value})
+        turns.append({"from": ROLE_ALIASES.get(role, role) if isinstance(role, str) else None, "value": value})
     if any(turn["from"] not in ROLE_MAP for turn in turns):
         raise _Skip("unknown_role")
     convs = turns
