@@ -9,6 +9,7 @@ text, whether greedy outputs were identical, ``tau`` and the measured speedups; 
 from __future__ import annotations
 
 import argparse
+import sys
 
 from . import probability
 from .generate import DEFAULT_DRAFTER
@@ -72,6 +73,11 @@ def run(args: argparse.Namespace) -> int:
               f"{agg['mean_draft_length']:.2f} drafts verified per cycle, speedup {agg['speedup']:.2f}x over plain "
               f"generate(), greedy identical: {agg['identical_all']}")
     print(f"full results: {args.out}/results.md, {args.out}/results.json")
+    from ..bench.report import load_warning
+
+    warning = load_warning(results["environment"])
+    if warning:  # the same check as `dflash2 bench`: speedups measured next to other work are not to be trusted
+        print(f"WARNING: {warning}", file=sys.stderr)
     # a greedy output that differs from plain greedy is a bug: fail loudly
     return 0 if all(a["identical_all"] is not False for a in results["aggregates"] if a["method"] in labels) else 1
 
