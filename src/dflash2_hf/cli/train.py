@@ -58,7 +58,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--eval-max-records", type=int, default=100, help="evaluate on the first N held-out records")
     g.add_argument("--eval-only", action="store_true",
                    help="only evaluate (needs --eval-data) the drafter given by --init, or by --resume (last "
-                        "checkpoint in --output); prints the metrics as JSON")
+                        "checkpoint in --output); prints the metrics as JSON. The estimate depends on which anchors "
+                        "are drawn: compare drafters only at the same --num-blocks and --eval-max-records (the "
+                        "in-training eval_* metrics use the run's --num-blocks)")
 
     g = parser.add_argument_group("drafter")
     g.add_argument("--output", required=True, help="run folder: checkpoints and the final drafter")
