@@ -5,7 +5,8 @@
         --bench runs/bench-stdlib-lora-r32/results.md --data-note "..." --purpose "..."
 
 Copies only the adapter files (adapter_config.json, adapter_model.safetensors, dflash2_adapter.json), checks that
-they load on the base drafter, and writes README.md. The card's numbers come only from the given benchmark output
+they load on the base drafter, writes README.md and, with --bench, copies that run's results.json and plots to
+bench/. The card's numbers come only from the given benchmark output
 (results.md of `dflash2 bench --adapter`), with the command that produced it; nothing is typed in by hand.
 """
 
@@ -73,6 +74,10 @@ def main() -> None:
     size, base_size = adapter_size_bytes(out), checkpoint_size_bytes(base_dir)
 
     results = bench_results_section(args.bench)
+    if args.bench:  # ship the raw measurement with the card, so every number in it can be recomputed
+        (out / "bench").mkdir(exist_ok=True)
+        for f in [Path(args.bench).with_name("results.json"), *Path(args.bench).parent.glob("*.png")]:
+            shutil.copy2(f, out / "bench" / f.name)
     digest = hashlib.sha256((out / "adapter_model.safetensors").read_bytes()).hexdigest()
     assert digest == hashlib.sha256((adapter_dir / "adapter_model.safetensors").read_bytes()).hexdigest()
     results = (f"Adapter size: {size / 1e6:.2f} MB = {100 * size / base_size:.1f}% of the base drafter's "

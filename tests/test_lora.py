@@ -98,6 +98,21 @@ def test_adapter_for_same_shaped_other_weights_is_refused(targets, tmp_path, cap
     assert any("lora_A" in n for n, _ in loaded.named_parameters())
 
 
+def test_adapter_loaded_twice_names_the_real_cause(targets, tmp_path):
+    """A second load_adapter on the same drafter object (peft injected LoRA layers in place) says so."""
+    make_drafter(targets["llama"]).save_pretrained(tmp_path / "base")
+    save_adapter(add_lora(DFlash2DraftModel.from_pretrained(tmp_path / "base")), tmp_path / "adapter")
+    drafter = DFlash2DraftModel.from_pretrained(tmp_path / "base")
+    adapted = load_adapter(drafter, tmp_path / "adapter")
+    for again in (drafter, adapted):
+        with pytest.raises(AdapterMismatchError, match="already carries a LoRA adapter.*merge_and_unload"):
+            load_adapter(again, tmp_path / "adapter")
+    _perturb_adapter(adapted)  # a fresh adapter is a no-op (lora_B = 0); make merging change the weights
+    merged = adapted.merge_and_unload()  # a merged drafter is a plain drafter again: the digest check applies
+    with pytest.raises(AdapterMismatchError, match="trained on other base weights"):
+        load_adapter(merged, tmp_path / "adapter")
+
+
 def test_bad_adapter_folders_give_clear_errors(targets, tmp_path, caplog):
     from dflash2_hf import CheckpointError
 

@@ -171,15 +171,24 @@ def load_adapter(drafter, adapter_path: str | os.PathLike, is_trainable: bool = 
 
     Raises:
         AdapterMismatchError: the adapter's fingerprint names another drafter (the differing fields are listed),
-            or (``strict``) other base weights of the same shapes.
+            or (``strict``) other base weights of the same shapes, or ``drafter`` already carries LoRA layers.
         FileNotFoundError: a local adapter folder does not exist.
         CheckpointError: the folder lacks the adapter files, or they are truncated or corrupt.
 
     An adapter without ``dflash2_adapter.json`` (saved by plain ``peft``) loads with a warning: nothing can be checked.
     """
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
     from .hub import is_local_path
 
     path = Path(adapter_path)
+    # peft injects LoRA layers into the drafter in place, so a second call on the same object would see "other
+    # base weights"; say what really happened instead.
+    if isinstance(drafter, PeftModel) or any(isinstance(m, BaseTunerLayer) for m in drafter.modules()):
+        raise AdapterMismatchError(
+            f"Cannot load {str(adapter_path)!r}: this drafter already carries a LoRA adapter (load_adapter injects "
+            "its layers into the drafter in place). Load the adapter on a freshly loaded base drafter "
+            "(DFlash2DraftModel.from_pretrained(...)), or call merge_and_unload() on the adapted model first.")
     if is_local_path(adapter_path):
         check_adapter_folder(path)
     fingerprint = _stored_fingerprint(adapter_path)
