@@ -129,6 +129,16 @@ def test_corrupt_header_raises_clear_error(trained_like, tmp_path):
         DFlash2DraftModel.from_pretrained(tmp_path)
 
 
+def test_folder_without_config_raises_clear_error(trained_like, tmp_path):
+    trained_like.save_pretrained(tmp_path)
+    (tmp_path / "config.json").unlink()
+    with pytest.raises(CheckpointError, match="No config.json in the drafter folder"):
+        DFlash2DraftModel.from_pretrained(tmp_path)
+    # an explicit config is the documented way around it, and loads the same weights
+    loaded = DFlash2DraftModel.from_pretrained(tmp_path, config=trained_like.config)
+    assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), trained_like.state_dict().values()))
+
+
 def test_missing_weights_raise_instead_of_random_init(trained_like, tmp_path):
     state = {k: v.contiguous() for k, v in trained_like.state_dict().items() if not k.startswith("layers.1.mlp")}
     trained_like.config.save_pretrained(tmp_path)

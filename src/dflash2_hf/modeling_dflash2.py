@@ -505,8 +505,9 @@ class DFlash2DraftModel(DFlash2PreTrainedModel):
         ``HF_HUB_OFFLINE=1`` and a populated cache).
 
         Raises:
-            CheckpointError: a weight file is truncated or corrupt, or weights are missing / of the wrong shape
-                (``transformers`` would otherwise initialise them randomly and only warn).
+            CheckpointError: a weight file is truncated or corrupt, weights are missing / of the wrong shape
+                (``transformers`` would otherwise initialise them randomly and only warn), or a local folder has
+                no ``config.json``.
         """
         from .hub import is_local_path
 
@@ -515,6 +516,13 @@ class DFlash2DraftModel(DFlash2PreTrainedModel):
             raise FileNotFoundError(
                 f"No drafter folder at {path!r}. Pass an existing folder or a Hub id (org/name), build an untrained "
                 "one with DFlash2DraftModel.from_target(target) (CLI: --drafter fresh), or train one (dflash2 train)."
+            )
+        if os.path.isdir(path) and kwargs.get("config") is None and not os.path.isfile(os.path.join(path, "config.json")):
+            # transformers would fall back to a default config and then report the weights as mis-shaped
+            raise CheckpointError(
+                f"No config.json in the drafter folder {path!r}: the weights cannot be read without the architecture "
+                "they were saved with. Copy the config.json that came with these weights into the folder, pass "
+                "config=DFlash2Config(...), or re-save the drafter with save_pretrained."
             )
         want_info = kwargs.pop("output_loading_info", False)
         kwargs.setdefault("ignore_mismatched_sizes", False)
