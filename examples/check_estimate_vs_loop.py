@@ -47,7 +47,7 @@ def main() -> None:
     parser.add_argument("--target", default="smollm2")
     parser.add_argument("--records", type=int, default=5, help="first N records with a long enough response")
     parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--num-threads", "--threads", dest="threads", type=int, default=1)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 

@@ -129,6 +129,27 @@ def test_corrupt_header_raises_clear_error(trained_like, tmp_path):
         DFlash2DraftModel.from_pretrained(tmp_path)
 
 
+def test_overwritten_weight_bytes_fail_the_recorded_digest(trained_like, tmp_path):
+    """Bytes overwritten inside the tensor data still parse as finite numbers; only the digest can tell."""
+    trained_like.save_pretrained(tmp_path)
+    recorded = json.load(open(tmp_path / "config.json"))["weights_sha256"]
+    assert len(recorded) == 16
+    # the digest does not depend on the dtype the weights are loaded in (fp32 file read as bf16 passes)
+    assert DFlash2DraftModel.from_pretrained(tmp_path, dtype=torch.bfloat16).config.weights_sha256 == recorded
+    path = tmp_path / "model.safetensors"
+    data = bytearray(path.read_bytes())
+    middle = len(data) // 2
+    data[middle : middle + 256] = bytes(256)  # zeros: finite values, a valid file
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="not the ones saved with its config.json"):
+        DFlash2DraftModel.from_pretrained(tmp_path)
+    # a checkpoint without a recorded digest (older or published ones) still loads
+    cfg = json.load(open(tmp_path / "config.json"))
+    del cfg["weights_sha256"]
+    json.dump(cfg, open(tmp_path / "config.json", "w"))
+    assert DFlash2DraftModel.from_pretrained(tmp_path).config.weights_sha256 is None
+
+
 def test_folder_without_config_raises_clear_error(trained_like, tmp_path):
     trained_like.save_pretrained(tmp_path)
     (tmp_path / "config.json").unlink()

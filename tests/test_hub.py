@@ -78,6 +78,12 @@ def test_push_to_hub_uploads_weights_config_and_card(targets, monkeypatch, tmp_p
     monkeypatch.setattr(shutil, "copytree", lambda src, dst: uploaded.setdefault("card", Path(src, "README.md").read_text()))
     loaded.push_to_hub("org/again")
     assert "| tau | 1.00 |" in uploaded["card"]
+    # a card built before the repo existed names it YOUR_ORG/...; the push writes the real org in
+    card = build_model_card(drafter, base_model="HuggingFaceTB/SmolLM2-135M-Instruct", results="| tau | 1.00 |")
+    assert 'from_pretrained("YOUR_ORG/dflash2-drafter")' in str(card)
+    monkeypatch.setattr(shutil, "copytree", lambda src, dst: uploaded.update(card=Path(src, "README.md").read_text()))
+    drafter.push_to_hub("my-org/tiny", model_card=card)
+    assert 'from_pretrained("my-org/dflash2-drafter")' in uploaded["card"] and "YOUR_ORG" not in uploaded["card"]
 
 
 def test_push_without_card_explains_what_to_do(targets):

@@ -134,6 +134,10 @@ class DFlash2Config(PreTrainedConfig):
     final_logit_softcapping: float | None = None
     input_embedding_scale: float = 1.0
 
+    # sha256 (16 hex) of the saved weights, written by `save_pretrained` and checked by `from_pretrained` (a file
+    # overwritten with finite garbage still parses); None = not recorded (older or published checkpoints).
+    weights_sha256: str | None = None
+
     def __post_init__(self, **kwargs):
         if self.head_dim is None:
             self.head_dim = self.hidden_size // self.num_attention_heads

@@ -6,9 +6,12 @@ folder with a complete model card: metadata (base model, library, datasets, lice
 measured numbers. The card of a shipped folder (its ``README.md``) is reused as is, so numbers measured for it travel
 with it; a drafter without one gets a card built from its config that says no numbers were measured.
 
-Upload of the shipped drafter folder from the command line (``huggingface_hub`` CLI)::
+Cards name their repos ``YOUR_ORG/<name>`` (:data:`HUB_ORG_PLACEHOLDER`) until they are pushed:
+:func:`push_drafter_to_hub` writes the org of the repo it uploads to in its place. Upload of the shipped drafter
+folder from the command line (``huggingface_hub`` CLI) after filling in the org yourself::
 
-    hf upload YOUR_ORG/dflash2-smollm2-135m-instruct model_cards/dflash2-smollm2-135m-instruct .
+    sed -i 's#YOUR_ORG/#my-org/#g' model_cards/dflash2-smollm2-135m-instruct/README.md
+    hf upload my-org/dflash2-smollm2-135m-instruct model_cards/dflash2-smollm2-135m-instruct .
 
 LoRA adapters (:mod:`dflash2_hf.lora`) get their own card (:func:`build_adapter_card`, metadata ``library_name:
 peft`` and ``base_model`` = the drafter's Hub id) and are uploaded the same way, or with ``PeftModel.push_to_hub``.
@@ -25,6 +28,8 @@ from pathlib import Path
 from huggingface_hub import HfApi, ModelCard, ModelCardData
 
 CARD_TAGS = ["dflash2", "speculative-decoding", "drafter", "block-diffusion"]
+# Stands for the Hub organisation in cards built before the repo exists; replaced on push (fill_hub_org).
+HUB_ORG_PLACEHOLDER = "YOUR_ORG"
 
 
 def is_local_path(name_or_path: str | os.PathLike) -> bool:
@@ -64,7 +69,7 @@ def build_model_card(
     drafter,
     *,
     base_model: str,
-    repo_id: str = "YOUR_ORG/dflash2-drafter",
+    repo_id: str = f"{HUB_ORG_PLACEHOLDER}/dflash2-drafter",
     datasets: list[str] | None = None,
     license: str = "apache-2.0",
     recipe: str = "Not recorded.",
@@ -130,7 +135,7 @@ def build_adapter_card(
     *,
     base_drafter: str,
     target: str,
-    repo_id: str = "YOUR_ORG/dflash2-drafter-lora",
+    repo_id: str = f"{HUB_ORG_PLACEHOLDER}/dflash2-drafter-lora",
     purpose: str = "",
     datasets: list[str] | None = None,
     license: str = "apache-2.0",
@@ -165,7 +170,7 @@ def build_adapter_card(
 def _compose_card(text: str, base_model: str, library_name: str, datasets: list[str] | None, license: str,
                   tags: list[str]) -> ModelCard:
     """YAML metadata (``ModelCardData``) + Markdown body as one ``ModelCard``."""
-    data = ModelCardData(base_model=base_model, library_name=library_name, datasets=datasets or [], license=license,
+    data = ModelCardData(base_model=base_model, library_name=library_name, datasets=datasets or None, license=license,
                          tags=tags, pipeline_tag="text-generation")
     return ModelCard(f"---\n{data.to_yaml()}\n---\n{text}")
 
@@ -200,6 +205,11 @@ def resolve_model_card(drafter, model_card: ModelCard | str | os.PathLike | None
     )
 
 
+def fill_hub_org(card: ModelCard, org: str) -> ModelCard:
+    """``card`` with every ``YOUR_ORG/`` (metadata and text, e.g. the usage snippet) replaced by ``org/``."""
+    return ModelCard(str(card).replace(f"{HUB_ORG_PLACEHOLDER}/", f"{org}/"))
+
+
 def push_drafter_to_hub(
     drafter,
     repo_id: str,
@@ -211,7 +221,8 @@ def push_drafter_to_hub(
     revision: str | None = None,
     create_pr: bool = False,
 ):
-    """Creates ``repo_id`` if needed and uploads weights, config and the model card in one commit.
+    """Creates ``repo_id`` if needed and uploads weights, config and the model card in one commit; the card's
+    ``YOUR_ORG/`` placeholders become the org of ``repo_id``.
 
     Returns:
         the ``huggingface_hub`` ``CommitInfo``.
@@ -222,6 +233,7 @@ def push_drafter_to_hub(
     card = resolve_model_card(drafter, model_card)
     api = HfApi(token=token)
     repo_id = api.create_repo(repo_id, private=private, exist_ok=True).repo_id
+    card = fill_hub_org(card, repo_id.split("/")[0])
     with tempfile.TemporaryDirectory() as tmp:
         drafter.save_pretrained(tmp)
         card.save(os.path.join(tmp, "README.md"))

@@ -20,17 +20,16 @@ the same shapes, e.g. an older release, would load silently and draft worse; it 
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
-import warnings
 from pathlib import Path
 
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers.utils import logging
 
 from .errors import CheckpointError, DrafterTargetMismatchError
+from .integrity import weights_digest
 
 logger = logging.get_logger(__name__)
 
@@ -48,33 +47,8 @@ class AdapterMismatchError(DrafterTargetMismatchError):
 
 
 def base_weights_digest(drafter) -> str:
-    """sha256 (16 hex digits) of the base drafter's weights, LoRA layers excluded.
-
-    Tensors are hashed in name order after a cast to bfloat16, so the same drafter gives the same digest whether it
-    is loaded in float32 or bfloat16 (a bf16 checkpoint upcast for training round-trips exactly); wrapped
-    (``...base_layer.weight``) and plain names hash alike.
-    """
-    import torch
-
-    h = hashlib.sha256()
-    state = drafter.state_dict()
-    for name in sorted(state):
-        if "lora_" in name:
-            continue
-        tensor = state[name].detach()
-        h.update(name.replace(".base_layer", "").encode())
-        if tensor.is_floating_point():
-            tensor = tensor.to(torch.bfloat16).view(torch.int16)
-        h.update(tensor.cpu().contiguous().numpy().tobytes())
-    return h.hexdigest()[:16]
-
-
-@contextlib.contextmanager
-def _quiet_peft():
-    """Hides transformers' FutureWarning about `is_gradient_checkpointing`, which peft triggers (not actionable)."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-        yield
+    """sha256 (16 hex digits) of the base drafter's weights, LoRA layers excluded (see :func:`weights_digest`)."""
+    return weights_digest(drafter.state_dict())
 
 
 def _fingerprint_fields(drafter) -> dict:
@@ -102,8 +76,7 @@ def add_lora(drafter, config: LoraConfig | None = None) -> PeftModel:
     The returned ``PeftModel`` works directly as ``assistant_model=`` in ``target.generate`` (unmerged), and
     ``merge_and_unload()`` gives back a plain :class:`~dflash2_hf.DFlash2DraftModel`.
     """
-    with _quiet_peft():
-        return get_peft_model(drafter, config or lora_config())
+    return get_peft_model(drafter, config or lora_config())
 
 
 def write_fingerprint(model: PeftModel, save_directory: str | os.PathLike) -> None:
@@ -216,8 +189,7 @@ def load_adapter(drafter, adapter_path: str | os.PathLike, is_trainable: bool = 
             if strict:
                 raise AdapterMismatchError(message)
             logger.warning(message)
-    with _quiet_peft():
-        return PeftModel.from_pretrained(drafter, str(path), is_trainable=is_trainable)
+    return PeftModel.from_pretrained(drafter, str(path), is_trainable=is_trainable)
 
 
 def adapter_size_bytes(path: str | os.PathLike) -> int:

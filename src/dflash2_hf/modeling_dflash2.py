@@ -34,6 +34,7 @@ from transformers.utils import ModelOutput, logging
 
 from .configuration_dflash2 import DFlash2Config
 from .errors import CheckpointError, DrafterTargetMismatchError
+from .integrity import digest_is_checkable, weights_digest
 
 logger = logging.get_logger(__name__)
 
@@ -213,6 +214,12 @@ class DFlash2PreTrainedModel(PreTrainedModel):
     supports_gradient_checkpointing = False
     _no_split_modules = ["DFlash2DecoderLayer"]
     _supports_sdpa = True
+
+    @property
+    def is_gradient_checkpointing(self) -> bool:
+        """Always False (no activation checkpointing here). ``peft`` still reads this deprecated alias, whose
+        ``transformers`` version warns on every ``PeftModel.from_pretrained`` / ``get_peft_model``."""
+        return False
 
     @torch.no_grad()
     def _init_weights(self, module):
@@ -474,6 +481,17 @@ class DFlash2DraftModel(DFlash2PreTrainedModel):
         param = next(target.parameters())
         return drafter.to(device=param.device, dtype=param.dtype)
 
+    def save_pretrained(self, save_directory: str | os.PathLike, *args, **kwargs) -> None:
+        """``PreTrainedModel.save_pretrained`` that also records the weights' digest in ``config.weights_sha256``.
+
+        :meth:`from_pretrained` compares it after loading, so a weight file whose bytes were overwritten (it still
+        parses and holds finite numbers) is refused instead of drafting garbage. Honours a ``state_dict`` argument
+        (as passed by ``Trainer``).
+        """
+        state_dict = kwargs.get("state_dict")
+        self.config.weights_sha256 = weights_digest(state_dict if state_dict is not None else self.state_dict())
+        super().save_pretrained(save_directory, *args, **kwargs)
+
     def save_pretrained_published(self, save_directory: str | os.PathLike, **kwargs) -> None:
         """Saves in the published DFlash/DFlash2 format (Qwen3 config + ``dflash_config``; DESIGN.md section 6).
 
@@ -505,9 +523,10 @@ class DFlash2DraftModel(DFlash2PreTrainedModel):
         ``HF_HUB_OFFLINE=1`` and a populated cache).
 
         Raises:
-            CheckpointError: a weight file is truncated or corrupt, weights are missing / of the wrong shape
-                (``transformers`` would otherwise initialise them randomly and only warn), or a local folder has
-                no ``config.json``.
+            CheckpointError: a weight file is truncated or corrupt (unreadable, non-finite values, or weights that
+                do not match the digest ``config.weights_sha256`` recorded by :meth:`save_pretrained`), weights are
+                missing / of the wrong shape (``transformers`` would otherwise initialise them randomly and only
+                warn), or a local folder has no ``config.json``.
         """
         from .hub import is_local_path
 
@@ -560,6 +579,15 @@ class DFlash2DraftModel(DFlash2PreTrainedModel):
             raise CheckpointError(
                 f"The drafter checkpoint {path!r} holds non-finite values (NaN/inf) in {bad[:4]}: the file is corrupt "
                 "(or training diverged). Download or save the drafter again."
+            )
+        expected = model.config.weights_sha256
+        actual = weights_digest(model.state_dict()) if expected and digest_is_checkable(model) else expected
+        if actual != expected:
+            raise CheckpointError(
+                f"The drafter weights in {path!r} are not the ones saved with its config.json (weights digest "
+                f"{actual} != recorded {expected}): the weight file is corrupt or was "
+                "replaced. Download or save the drafter again; if you replaced the weights on purpose, re-save them "
+                "with save_pretrained (or remove `weights_sha256` from config.json)."
             )
         if info.get("unexpected_keys"):
             logger.warning(f"Ignoring unexpected weights in the drafter checkpoint: {sorted(info['unexpected_keys'])[:8]}")

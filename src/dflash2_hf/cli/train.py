@@ -100,7 +100,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--save-total-limit", type=int, default=3)
     g.add_argument("--logging-steps", type=int, default=10)
     g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    g.add_argument("--num-threads", "--threads", dest="threads", type=int, default=None,
+                   help="torch CPU threads (same flag name as generate/bench/prepare-data; --threads still works)")
     g.add_argument("--resume", action="store_true", help="resume from the last checkpoint in --output")
     g.add_argument("--no-progress", action="store_true", help="no tqdm bars (default when not on a terminal)")
     add_lora_arguments(parser)
