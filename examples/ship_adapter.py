@@ -21,7 +21,7 @@ from pathlib import Path
 import dflash2_hf  # noqa: F401
 from dflash2_hf import DFlash2DraftModel
 from dflash2_hf.data import load_prepared, read_meta
-from dflash2_hf.hub import bench_results_section, build_adapter_card
+from dflash2_hf.hub import HUB_ORG_PLACEHOLDER, bench_results_section, build_adapter_card
 from dflash2_hf.lora import FINGERPRINT_FILE, adapter_size_bytes, checkpoint_size_bytes, load_adapter
 
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", FINGERPRINT_FILE)
@@ -60,7 +60,8 @@ def main() -> None:
     parser.add_argument("--data", required=True, help="the prepared data the adapter was trained on")
     parser.add_argument("--out", required=True)
     parser.add_argument("--bench", default=None, help="results.md of a `dflash2 bench --adapter` run of THIS adapter")
-    parser.add_argument("--base-repo", default="YOUR_ORG/dflash2-smollm2-135m-instruct")
+    parser.add_argument("--base-repo", default=f"{HUB_ORG_PLACEHOLDER}/dflash2-smollm2-135m-instruct",
+                        help="Hub id of the base drafter (card metadata and adapter_config.json)")
     parser.add_argument("--target", default="HuggingFaceTB/SmolLM2-135M-Instruct")
     parser.add_argument("--data-note", default="", help="one or two sentences on what the data is")
     parser.add_argument("--purpose", default="", help="one sentence on what the adapter is for")
@@ -70,6 +71,11 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     for name in ADAPTER_FILES:
         shutil.copy2(adapter_dir / name, out / name)
+    # peft recorded the local folder the base was loaded from; a Hub-ready adapter names the base's Hub id
+    config_path = out / "adapter_config.json"
+    adapter_config = json.loads(config_path.read_text())
+    adapter_config["base_model_name_or_path"] = args.base_repo
+    config_path.write_text(json.dumps(adapter_config, indent=2, sort_keys=True) + "\n")
     model = load_adapter(DFlash2DraftModel.from_pretrained(base_dir), out)  # refuses a mismatched base
     size, base_size = adapter_size_bytes(out), checkpoint_size_bytes(base_dir)
 
@@ -87,9 +93,8 @@ def main() -> None:
         model.peft_config["default"],
         base_drafter=args.base_repo,
         target=args.target,
-        repo_id="YOUR_ORG/" + out.name,
+        repo_id=f"{HUB_ORG_PLACEHOLDER}/{out.name}",
         purpose=args.purpose,
-        datasets=[],
         recipe=recipe_text(adapter_dir, Path(args.data), base_dir, args.data_note),
         results=results,
     )

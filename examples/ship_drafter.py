@@ -18,7 +18,7 @@ import torch
 import dflash2_hf  # noqa: F401
 from dflash2_hf import DFlash2DraftModel
 from dflash2_hf.data import load_prepared, read_meta
-from dflash2_hf.hub import bench_results_section, build_model_card
+from dflash2_hf.hub import HUB_ORG_PLACEHOLDER, bench_results_section, build_model_card
 from dflash2_hf.training.draft_vocab import draft_vocab_from_records
 
 
@@ -89,7 +89,7 @@ def main() -> None:
     card = build_model_card(
         drafter,
         base_model=args.base_model,
-        repo_id="YOUR_ORG/" + out.name,
+        repo_id=f"{HUB_ORG_PLACEHOLDER}/{out.name}",
         datasets=["anon8231489123/ShareGPT_Vicuna_unfiltered"],
         recipe=recipe_text(drafter_dir, data_dir, len(records), coverage, int(ids.numel()),
                            sum(e - s for r in records for s, e in r["response_spans"])),
