@@ -61,7 +61,7 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--bench", default=None, help="results.md of a `dflash2 bench --adapter` run of THIS adapter")
     parser.add_argument("--base-repo", default=f"{HUB_ORG_PLACEHOLDER}/dflash2-smollm2-135m-instruct",
-                        help="Hub id of the base drafter (card metadata and adapter_config.json)")
+                        help="Hub id of the base drafter (card metadata and usage snippet)")
     parser.add_argument("--target", default="HuggingFaceTB/SmolLM2-135M-Instruct")
     parser.add_argument("--data-note", default="", help="one or two sentences on what the data is")
     parser.add_argument("--purpose", default="", help="one sentence on what the adapter is for")
@@ -71,11 +71,6 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     for name in ADAPTER_FILES:
         shutil.copy2(adapter_dir / name, out / name)
-    # peft recorded the local folder the base was loaded from; a Hub-ready adapter names the base's Hub id
-    config_path = out / "adapter_config.json"
-    adapter_config = json.loads(config_path.read_text())
-    adapter_config["base_model_name_or_path"] = args.base_repo
-    config_path.write_text(json.dumps(adapter_config, indent=2, sort_keys=True) + "\n")
     model = load_adapter(DFlash2DraftModel.from_pretrained(base_dir), out)  # refuses a mismatched base
     size, base_size = adapter_size_bytes(out), checkpoint_size_bytes(base_dir)
 

@@ -39,7 +39,7 @@ def training_chain(drafter_dir: Path) -> list[dict]:
 
 
 def recipe_text(drafter_dir: Path, data_dir: Path, records: int, coverage: float, vocab: int,
-                sum_tokens: int) -> str:
+                sum_tokens: int, out: Path | None = None) -> str:
     chain = training_chain(drafter_dir)
     summary_path = drafter_dir / "training_summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
@@ -57,7 +57,9 @@ def recipe_text(drafter_dir: Path, data_dir: Path, records: int, coverage: float
         f"target itself (greedy, fp32, its chat template; `dflash2 prepare-data`). {data_note}; at shipping time it "
         f"held {records} kept records (about {sum_tokens} response tokens). Generation settings: `{json.dumps(gen)}`.\n"
         f"- **Training** (`transformers.Trainer`, CPU), {len(chain)} stage(s), each starting from the previous one's "
-        f"weights" + (f" and the first from `{first_init}`" if first_init else "") + f":\n{stages}\n"
+        f"weights" + (f" and the first from `{first_init}`" if first_init else "")
+        + (" as it was then (an earlier release: see this folder's git history)" if first_init and out
+           and Path(first_init).resolve() == out.resolve() else "") + f":\n{stages}\n"
         f"- **Summary** of the last stage: "
         f"`{json.dumps({k: v for k, v in list(summary.items())[:12] if k != 'feature_cache'}) if summary else 'n/a'}`\n"
         f"- **Draft vocabulary**: the {vocab} most frequent response tokens of that data (coverage {coverage:.4f} of "
@@ -92,7 +94,7 @@ def main() -> None:
         repo_id=f"{HUB_ORG_PLACEHOLDER}/{out.name}",
         datasets=["anon8231489123/ShareGPT_Vicuna_unfiltered"],
         recipe=recipe_text(drafter_dir, data_dir, len(records), coverage, int(ids.numel()),
-                           sum(e - s for r in records for s, e in r["response_spans"])),
+                           sum(e - s for r in records for s, e in r["response_spans"]), out),
         results=results,
     )
     card.save(out / "README.md")

@@ -136,12 +136,14 @@ def test_overwritten_weight_bytes_fail_the_recorded_digest(trained_like, tmp_pat
     assert len(recorded) == 16
     # the digest does not depend on the dtype the weights are loaded in (fp32 file read as bf16 passes)
     assert DFlash2DraftModel.from_pretrained(tmp_path, dtype=torch.bfloat16).config.weights_sha256 == recorded
+    # a config override that leaves saved weights unused cannot be compared with the digest: loads, unchecked
+    assert DFlash2DraftModel.from_pretrained(tmp_path, use_candidate_selector=False).candidate_selector is None
     path = tmp_path / "model.safetensors"
     data = bytearray(path.read_bytes())
     middle = len(data) // 2
     data[middle : middle + 256] = bytes(256)  # zeros: finite values, a valid file
     path.write_bytes(bytes(data))
-    with pytest.raises(CheckpointError, match="not the ones saved with its config.json"):
+    with pytest.raises(CheckpointError, match="not the ones recorded in its config.json"):
         DFlash2DraftModel.from_pretrained(tmp_path)
     # a checkpoint without a recorded digest (older or published ones) still loads
     cfg = json.load(open(tmp_path / "config.json"))

@@ -50,40 +50,54 @@ def test_adapter_card_metadata():
     assert "rank 8" in card.text and "`q_proj`" in card.text and "| tau | 2 |" in card.text
 
 
-def test_push_to_hub_uploads_weights_config_and_card(targets, monkeypatch, tmp_path):
-    """No network here: HfApi is replaced by a recorder that keeps a copy of the uploaded folder."""
-    uploaded = {}
+@pytest.fixture
+def fake_hub(monkeypatch, tmp_path):
+    """No network here: HfApi is replaced by a recorder that keeps a copy of every uploaded folder (newest last)."""
+    uploads = []
 
     class FakeApi:
         def __init__(self, token=None):
             pass
 
         def create_repo(self, repo_id, private=None, exist_ok=False):
-            uploaded["repo"] = repo_id
             return type("Url", (), {"repo_id": repo_id})()
 
         def upload_folder(self, repo_id, folder_path, **kw):
-            shutil.copytree(folder_path, tmp_path / "pushed")
+            uploads.append(Path(shutil.copytree(folder_path, tmp_path / f"upload-{len(uploads)}")))
             return "commit"
 
     monkeypatch.setattr("dflash2_hf.hub.HfApi", FakeApi)
+    return uploads
+
+
+def test_push_to_hub_uploads_weights_config_and_card(targets, fake_hub):
     drafter = randomize_selector(make_drafter(targets["llama"]))
     assert drafter.push_to_hub("org/tiny-drafter", model_card=_card(drafter)) == "commit"
-    files = set(os.listdir(tmp_path / "pushed"))
-    assert {"README.md", "config.json", "model.safetensors"} <= files
-    loaded = DFlash2DraftModel.from_pretrained(tmp_path / "pushed")
+    assert {"README.md", "config.json", "model.safetensors"} <= set(os.listdir(fake_hub[-1]))
+    loaded = DFlash2DraftModel.from_pretrained(fake_hub[-1])
     torch.testing.assert_close(loaded.candidate_selector.successor_codebook, drafter.candidate_selector.successor_codebook)
     # a drafter loaded from a folder with a README reuses that card
-    (tmp_path / "pushed2").mkdir()
-    monkeypatch.setattr(shutil, "copytree", lambda src, dst: uploaded.setdefault("card", Path(src, "README.md").read_text()))
     loaded.push_to_hub("org/again")
-    assert "| tau | 1.00 |" in uploaded["card"]
-    # a card built before the repo existed names it YOUR_ORG/...; the push writes the real org in
+    assert "| tau | 1.00 |" in (fake_hub[-1] / "README.md").read_text()
+    # a card built before the repo existed names it YOUR_ORG/<name>; the push writes the real id in
     card = build_model_card(drafter, base_model="HuggingFaceTB/SmolLM2-135M-Instruct", results="| tau | 1.00 |")
+    card = type(card)(str(card) + '\nBase: [YOUR_ORG/base-drafter](https://huggingface.co/YOUR_ORG/base-drafter)\n')
     assert 'from_pretrained("YOUR_ORG/dflash2-drafter")' in str(card)
-    monkeypatch.setattr(shutil, "copytree", lambda src, dst: uploaded.update(card=Path(src, "README.md").read_text()))
     drafter.push_to_hub("my-org/tiny", model_card=card)
-    assert 'from_pretrained("my-org/dflash2-drafter")' in uploaded["card"] and "YOUR_ORG" not in uploaded["card"]
+    pushed = (fake_hub[-1] / "README.md").read_text()
+    assert 'from_pretrained("my-org/tiny")' in pushed and "YOUR_ORG" not in pushed
+    assert "[my-org/base-drafter](https://huggingface.co/my-org/base-drafter)" in pushed
+
+
+def test_push_uploads_the_bench_folder_of_a_shipped_drafter(targets, fake_hub, tmp_path):
+    """The shipped card cites its bench/ raw results: a push of a drafter loaded from that folder carries them."""
+    drafter = make_drafter(targets["llama"])
+    drafter.save_pretrained(tmp_path / "shipped")
+    _card(drafter).save(tmp_path / "shipped" / "README.md")
+    (tmp_path / "shipped" / "bench").mkdir()
+    (tmp_path / "shipped" / "bench" / "results.json").write_text("{}")
+    DFlash2DraftModel.from_pretrained(tmp_path / "shipped").push_to_hub("org/x")
+    assert (fake_hub[-1] / "bench" / "results.json").read_text() == "{}"
 
 
 def test_push_without_card_explains_what_to_do(targets):

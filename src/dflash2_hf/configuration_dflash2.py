@@ -134,8 +134,8 @@ class DFlash2Config(PreTrainedConfig):
     final_logit_softcapping: float | None = None
     input_embedding_scale: float = 1.0
 
-    # sha256 (16 hex) of the saved weights, written by `save_pretrained` and checked by `from_pretrained` (a file
-    # overwritten with finite garbage still parses); None = not recorded (older or published checkpoints).
+    # sha256 (16 hex) of the weights as last saved, written by `save_pretrained` and checked by `from_pretrained` (a
+    # file overwritten with finite garbage still parses); None = not recorded (older or published checkpoints).
     weights_sha256: str | None = None
 
     def __post_init__(self, **kwargs):
@@ -204,7 +204,9 @@ class DFlash2Config(PreTrainedConfig):
         if not self.use_candidate_selector:
             dflash.pop("selector_rank"), dflash.pop("selector_top_k")
         v2 = self.use_local_conv or self.use_candidate_selector
-        skip = set(PUBLISHED_DFLASH_KEYS) | {"use_local_conv", "use_candidate_selector", "architectures", "model_type"}
+        # local path and classification-head labels mean nothing in a published drafter config
+        skip = set(PUBLISHED_DFLASH_KEYS) | {"use_local_conv", "use_candidate_selector", "architectures", "model_type",
+                                            "_name_or_path", "id2label", "label2id"}
         out = {k: v for k, v in flat.items() if k not in skip}
         out.update(
             model_type="qwen3",

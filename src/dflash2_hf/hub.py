@@ -7,7 +7,7 @@ measured numbers. The card of a shipped folder (its ``README.md``) is reused as 
 with it; a drafter without one gets a card built from its config that says no numbers were measured.
 
 Cards name their repos ``YOUR_ORG/<name>`` (:data:`HUB_ORG_PLACEHOLDER`) until they are pushed:
-:func:`push_drafter_to_hub` writes the org of the repo it uploads to in its place. Upload of the shipped drafter
+:func:`push_drafter_to_hub` writes the repo it uploads to in their place. Upload of the shipped drafter
 folder from the command line (``huggingface_hub`` CLI) after filling in the org yourself::
 
     sed -i 's#YOUR_ORG/#my-org/#g' model_cards/dflash2-smollm2-135m-instruct/README.md
@@ -22,13 +22,14 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import tempfile
 from pathlib import Path
 
 from huggingface_hub import HfApi, ModelCard, ModelCardData
 
 CARD_TAGS = ["dflash2", "speculative-decoding", "drafter", "block-diffusion"]
-# Stands for the Hub organisation in cards built before the repo exists; replaced on push (fill_hub_org).
+# Stands for the Hub organisation in cards built before the repo exists; replaced on push (fill_hub_ids).
 HUB_ORG_PLACEHOLDER = "YOUR_ORG"
 
 
@@ -205,9 +206,11 @@ def resolve_model_card(drafter, model_card: ModelCard | str | os.PathLike | None
     )
 
 
-def fill_hub_org(card: ModelCard, org: str) -> ModelCard:
-    """``card`` with every ``YOUR_ORG/`` (metadata and text, e.g. the usage snippet) replaced by ``org/``."""
-    return ModelCard(str(card).replace(f"{HUB_ORG_PLACEHOLDER}/", f"{org}/"))
+def fill_hub_ids(card: ModelCard, repo_id: str) -> ModelCard:
+    """``card`` for a drafter pushed to ``repo_id``: its own ``from_pretrained("YOUR_ORG/<name>")`` becomes
+    ``repo_id``, every other ``YOUR_ORG/`` (e.g. a base drafter's id) becomes the org of ``repo_id``."""
+    text = re.sub(rf'(DFlash2DraftModel\.from_pretrained\()"{HUB_ORG_PLACEHOLDER}/[^"]*"', rf'\1"{repo_id}"', str(card))
+    return ModelCard(text.replace(f"{HUB_ORG_PLACEHOLDER}/", f"{repo_id.split('/')[0]}/"))
 
 
 def push_drafter_to_hub(
@@ -221,8 +224,9 @@ def push_drafter_to_hub(
     revision: str | None = None,
     create_pr: bool = False,
 ):
-    """Creates ``repo_id`` if needed and uploads weights, config and the model card in one commit; the card's
-    ``YOUR_ORG/`` placeholders become the org of ``repo_id``.
+    """Creates ``repo_id`` if needed and uploads weights, config, the model card (its ``YOUR_ORG/`` placeholders
+    filled in by :func:`fill_hub_ids`) and, for a drafter loaded from a folder with one, its ``bench/`` folder in one
+    commit.
 
     Returns:
         the ``huggingface_hub`` ``CommitInfo``.
@@ -233,10 +237,13 @@ def push_drafter_to_hub(
     card = resolve_model_card(drafter, model_card)
     api = HfApi(token=token)
     repo_id = api.create_repo(repo_id, private=private, exist_ok=True).repo_id
-    card = fill_hub_org(card, repo_id.split("/")[0])
+    card = fill_hub_ids(card, repo_id)
     with tempfile.TemporaryDirectory() as tmp:
         drafter.save_pretrained(tmp)
         card.save(os.path.join(tmp, "README.md"))
+        bench = Path(str(getattr(drafter, "name_or_path", "") or ""), "bench")
+        if bench.is_dir():  # the raw measurement the card's numbers come from (see examples/ship_drafter.py)
+            shutil.copytree(bench, os.path.join(tmp, "bench"))
         return api.upload_folder(
             repo_id=repo_id,
             folder_path=tmp,

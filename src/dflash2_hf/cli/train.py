@@ -6,7 +6,7 @@ resumable with --resume) -> save the final drafter to --output with save_pretrai
 
 Example:
   dflash2 train --target smollm2 --data data/smollm2-sharegpt --output runs/smollm2-v1 \\
-      --num-layers 5 --block-size 16 --max-steps 1000 --threads 1
+      --num-layers 5 --block-size 16 --max-steps 1000 --num-threads 1
   dflash2 train ... --resume            # continue from the last checkpoint in --output
   dflash2 train ... --features-only     # only fill the feature cache
   dflash2 train ... --follow-data       # keep adding records a running prepare-data job writes
@@ -100,7 +100,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--save-total-limit", type=int, default=3)
     g.add_argument("--logging-steps", type=int, default=10)
     g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--num-threads", "--threads", dest="threads", type=int, default=None,
+    g.add_argument("--num-threads", "--threads", dest="threads", type=int, default=None, metavar="N",
                    help="torch CPU threads (same flag name as generate/bench/prepare-data; --threads still works)")
     g.add_argument("--resume", action="store_true", help="resume from the last checkpoint in --output")
     g.add_argument("--no-progress", action="store_true", help="no tqdm bars (default when not on a terminal)")
