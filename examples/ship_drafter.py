@@ -50,6 +50,9 @@ def recipe_text(drafter_dir: Path, data_dir: Path, records: int, coverage: float
         "The regeneration job was still running during training: stages with `--follow-data` read the set as it "
         "grew" if followed else "Training read the set as it stood when each stage started")
     first_init = chain[0]["args"].get("init") if chain else None
+    start = f" and the first from `{first_init}`" if first_init else ""
+    if first_init and out and Path(first_init).resolve() == out.resolve():
+        start += " as it was then (an earlier release: see this folder's git history)"
     stages = "\n".join(
         f"  {i}. `dflash2 {' '.join(c['argv'][1:])}` ({c.get('threads')} CPU thread(s))" for i, c in enumerate(chain, 1))
     return (
@@ -57,9 +60,7 @@ def recipe_text(drafter_dir: Path, data_dir: Path, records: int, coverage: float
         f"target itself (greedy, fp32, its chat template; `dflash2 prepare-data`). {data_note}; at shipping time it "
         f"held {records} kept records (about {sum_tokens} response tokens). Generation settings: `{json.dumps(gen)}`.\n"
         f"- **Training** (`transformers.Trainer`, CPU), {len(chain)} stage(s), each starting from the previous one's "
-        f"weights" + (f" and the first from `{first_init}`" if first_init else "")
-        + (" as it was then (an earlier release: see this folder's git history)" if first_init and out
-           and Path(first_init).resolve() == out.resolve() else "") + f":\n{stages}\n"
+        f"weights{start}:\n{stages}\n"
         f"- **Summary** of the last stage: "
         f"`{json.dumps({k: v for k, v in list(summary.items())[:12] if k != 'feature_cache'}) if summary else 'n/a'}`\n"
         f"- **Draft vocabulary**: the {vocab} most frequent response tokens of that data (coverage {coverage:.4f} of "

@@ -12,6 +12,9 @@ import hashlib
 from collections.abc import Mapping
 
 import torch
+from transformers.utils import logging
+
+logger = logging.get_logger(__name__)
 
 _CHECKABLE_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -35,15 +38,21 @@ def weights_digest(state_dict: Mapping[str, torch.Tensor]) -> str:
     return h.hexdigest()[:16]
 
 
-def digest_is_checkable(model: torch.nn.Module) -> bool:
-    """Whether :func:`weights_digest` of a loaded model can be compared with the saved one.
+def digest_mismatch(model: torch.nn.Module, expected: str | None, what: str = "weights") -> str | None:
+    """The digest of ``model``'s weights when it differs from ``expected``; None when it matches or cannot be checked.
 
-    Not when weights were quantized, offloaded (``meta``) or loaded in a dtype other than float32/bfloat16 (float16
-    rounds differently, so a sound file would look corrupt).
+    Not checked (logged at info level) when nothing was recorded, or when the weights were quantized, offloaded
+    (``meta``) or loaded in a dtype other than float32/bfloat16 (float16 rounds differently from the bf16 cast of
+    :func:`weights_digest`, so sound weights would look foreign).
     """
-    if getattr(model, "hf_quantizer", None) is not None or getattr(model, "is_quantized", False):
-        return False
-    return all(
-        t.device.type != "meta" and (not t.is_floating_point() or t.dtype in _CHECKABLE_DTYPES)
-        for t in model.state_dict().values()
+    if not expected:
+        return None
+    state = model.state_dict()
+    checkable = getattr(model, "hf_quantizer", None) is None and not getattr(model, "is_quantized", False) and all(
+        t.device.type != "meta" and (not t.is_floating_point() or t.dtype in _CHECKABLE_DTYPES) for t in state.values()
     )
+    if not checkable:
+        logger.info(f"Digest of the {what} not checked: they are quantized, offloaded or in float16.")
+        return None
+    actual = weights_digest(state)
+    return actual if actual != expected else None

@@ -29,7 +29,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from transformers.utils import logging
 
 from .errors import CheckpointError, DrafterTargetMismatchError
-from .integrity import digest_is_checkable, weights_digest
+from .integrity import digest_mismatch, weights_digest
 
 logger = logging.get_logger(__name__)
 
@@ -179,12 +179,8 @@ def load_adapter(drafter, adapter_path: str | os.PathLike, is_trainable: bool = 
                 "was trained on (see adapter_config.json: base_model_name_or_path) or train a new adapter."
             )
         expected_digest = fingerprint.get("weights_sha256_16")
-        if expected_digest and not digest_is_checkable(drafter):
-            # float16 rounds differently from the bf16 cast the digest uses: a matching base would look foreign
-            logger.info("Base weights digest not checked: the drafter is in float16 or quantized.")
-            expected_digest = None
-        actual_digest = base_weights_digest(drafter) if expected_digest else None
-        if expected_digest and expected_digest != actual_digest:
+        actual_digest = digest_mismatch(drafter, expected_digest, what="base drafter weights")
+        if actual_digest:
             message = (f"The LoRA adapter in {str(path)!r} was trained on other base weights (base digest "
                        f"{expected_digest}, this drafter {actual_digest}; same shapes, so probably another release "
                        "or checkpoint of the drafter). Load the drafter it was trained on (adapter_config.json: "

@@ -34,7 +34,7 @@ from transformers.utils import ModelOutput, logging
 
 from .configuration_dflash2 import DFlash2Config
 from .errors import CheckpointError, DrafterTargetMismatchError
-from .integrity import digest_is_checkable, weights_digest
+from .integrity import digest_mismatch, weights_digest
 
 logger = logging.get_logger(__name__)
 
@@ -580,18 +580,16 @@ class DFlash2DraftModel(DFlash2PreTrainedModel):
                 f"The drafter checkpoint {path!r} holds non-finite values (NaN/inf) in {bad[:4]}: the file is corrupt "
                 "(or training diverged). Download or save the drafter again."
             )
-        expected = model.config.weights_sha256
-        # The digest covers every saved tensor: it can only be compared when all of them were loaded as saved
-        # (not when a config override left some unused, nor after an fp16 cast or quantization).
-        if expected and (info.get("unexpected_keys") or not digest_is_checkable(model)):
-            logger.info(f"Weights digest of {path!r} not checked (weights left unused, cast to float16 or quantized).")
-        elif expected and weights_digest(model.state_dict()) != expected:
+        # The digest covers every saved tensor: a config override that left some unused cannot be compared.
+        expected = None if info.get("unexpected_keys") else model.config.weights_sha256
+        actual = digest_mismatch(model, expected, what=f"drafter weights in {path!r}")
+        if actual:
             source = "the config= you passed" if kwargs.get("config") is not None else "its config.json"
             raise CheckpointError(
-                f"The drafter weights in {path!r} are not the ones recorded in {source} (weights digest "
-                f"{weights_digest(model.state_dict())} != weights_sha256 {expected}): the weight file is corrupt or "
-                "was replaced. Download or save the drafter again; if you replaced the weights on purpose, re-save "
-                "them with save_pretrained, or set weights_sha256 to null in the config."
+                f"The drafter weights in {path!r} are not the ones recorded in {source} (weights digest {actual} "
+                f"!= weights_sha256 {expected}): the weight file is corrupt or was replaced. Download or save the "
+                "drafter again; if you replaced the weights on purpose, re-save them with save_pretrained, or set "
+                "weights_sha256 to null in the config."
             )
         if info.get("unexpected_keys"):
             logger.warning(f"Ignoring unexpected weights in the drafter checkpoint: {sorted(info['unexpected_keys'])[:8]}")
