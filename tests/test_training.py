@@ -235,6 +235,27 @@ def test_feature_cache_build_resume_and_stale(tmp_path, target):
     assert len(ds) == 4 and ds.skipped == 1  # record 1 changed on disk -> its features are stale for `recs`
 
 
+def test_bf16_feature_build_leaves_the_fp32_target_exact(tmp_path):
+    target = _target()  # its own copy: the build casts it
+    before = {k: v.clone() for k, v in target.state_dict().items()}
+    drafter = _drafter(target)
+    cache = FeatureCache(tmp_path, "tiny-llama", drafter.config.target_layer_ids)
+    assert cache.build(target, _records(2, seed=4), max_length=30, compute_dtype=torch.bfloat16,
+                       progress=False)["computed"] == 2
+    after = target.state_dict()
+    assert all(after[k].dtype == torch.float32 and torch.equal(after[k], v) for k, v in before.items())
+
+
+def test_lm_head_on_keeps_a_head_already_there_and_copies_otherwise(target):
+    from dflash2_hf.training.losses import lm_head_on
+
+    head = target.get_output_embeddings()
+    assert lm_head_on(head, head.weight.device) is head
+    moved = lm_head_on(head, torch.device("meta"))  # stands in for another GPU
+    assert moved is not head and moved.weight.device.type == "meta" and not moved.weight.requires_grad
+    assert head.weight.device.type == "cpu"  # the target's own head stays where the target needs it
+
+
 # ---------------------------------------------------------------------------- trainer
 def _trainer(target, tmp_path, drafter, recs, cache_dir, **overrides):
     cache = FeatureCache(cache_dir, "tiny-llama", drafter.config.target_layer_ids)

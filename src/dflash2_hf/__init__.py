@@ -16,7 +16,7 @@ from .errors import (
     UnsupportedGenerationError,
     UnsupportedTransformersVersionError,
 )
-from .generation import GenerationStats
+from .generation import GenerationStats, drafting_dtype
 from .modeling_dflash2 import CandidateSelector, DFlash2DraftModel, GroupedDynamicCausalConv
 
 __version__ = "0.1.0"
@@ -37,4 +37,5 @@ __all__ = [
     "UnsupportedGenerationError",
     "UnsupportedTransformersVersionError",
     "default_target_layer_ids",
+    "drafting_dtype",
 ]

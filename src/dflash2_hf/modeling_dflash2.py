@@ -359,14 +359,13 @@ class DFlash2DraftModel(DFlash2PreTrainedModel):
             lm_head: the target's output embedding module, or its ``(V, H)`` weight (e.g. a lower-precision copy).
 
         Returns:
-            ``(…, V)`` logits in the LM head's dtype.
+            ``(…, V)`` logits in the LM head's dtype, on the LM head's device.
         """
         # a 2-D input: oneDNN picks a ~20x slower bf16 kernel for some 3-D views (a sliced block, batch 1)
         flat = hidden.reshape(-1, hidden.shape[-1])
-        if isinstance(lm_head, torch.Tensor):
-            logits = F.linear(flat.to(lm_head.dtype), lm_head)
-        else:
-            logits = lm_head(flat.to(lm_head.weight.dtype))
+        weight = lm_head if isinstance(lm_head, torch.Tensor) else lm_head.weight
+        flat = flat.to(device=weight.device, dtype=weight.dtype)  # the head may sit on another GPU (device_map)
+        logits = F.linear(flat, lm_head) if isinstance(lm_head, torch.Tensor) else lm_head(flat)
         logits = logits.view(*hidden.shape[:-1], logits.shape[-1])
         if self.config.output_multiplier != 1.0:
             logits = logits * self.config.output_multiplier

@@ -38,10 +38,10 @@ def load_drafter(spec: str, target, dtype: torch.dtype | None = None, **fresh_ov
     param = next(target.parameters())
     dtype = dtype or param.dtype
     if spec == "fresh":
-        drafter = DFlash2DraftModel.from_target(target, **fresh_overrides)
-    else:
+        drafter = DFlash2DraftModel.from_target(target, **fresh_overrides).to(dtype)
+    else:  # loaded in `dtype` rather than cast after: a cast would also round the float32 rotary frequencies
         drafter = DFlash2DraftModel.from_pretrained(spec, dtype=dtype)
-    return drafter.to(device=param.device, dtype=dtype).eval()
+    return drafter.to(param.device).eval()
 
 
 def load_adapted_drafter(spec: str, adapter_path: str | os.PathLike, target, dtype: torch.dtype | None = None,

@@ -21,7 +21,7 @@ import argparse
 import os
 import sys
 
-from . import probability
+from . import add_device_argument, add_drafter_dtype_argument, probability, resolve_device, resolve_drafter_dtype
 
 _DTYPES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16"}
 
@@ -55,9 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="skip prompts longer than this after the chat template (default 1024; 0 = no limit)")
     parser.add_argument("--dtype", default="fp32", choices=sorted(_DTYPES),
                         help="target and drafter dtype (default fp32; greedy identity is only guaranteed in fp32)")
-    parser.add_argument("--drafter-dtype", default=None, choices=sorted(_DTYPES),
-                        help="drafter dtype (default: --dtype). bf16 drafting on an fp32 target stays lossless "
-                             "(only the target's verification decides) and is cheaper on CPUs with bf16 units")
+    add_drafter_dtype_argument(parser, None, "--dtype")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (default 1.0 = off)")
     parser.add_argument("--top-k", type=int, default=0, help="top-k sampling filter (default 0 = off)")
@@ -74,7 +72,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True, help="output folder")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     parser.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: torch's default)")
-    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    add_device_argument(parser, "the target and the drafter")
     parser.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up generations")
     parser.add_argument("--no-plots", action="store_true", help="do not write the PNG plots")
     parser.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
@@ -116,16 +114,17 @@ def run(args: argparse.Namespace) -> int:
                              confidence_threshold=args.confidence_threshold, warmup=not args.no_warmup,
                              progress=not args.no_progress)
     torch.manual_seed(args.seed)
-    target, tokenizer = load_target(args.target, dtype=dtype, device=args.device)
+    target, tokenizer = load_target(args.target, dtype=dtype, device=resolve_device(args.device))
     needs_drafter = any(m in DRAFTER_METHODS and m != "dflash2_adapter" for m in settings.methods)
-    drafter_dtype = getattr(torch, _DTYPES[args.drafter_dtype]) if args.drafter_dtype else dtype
+    drafter_dtype, drafter_dtype_label = (resolve_drafter_dtype(args.drafter_dtype, target.device)
+                                          if args.drafter_dtype else (dtype, args.dtype))
     drafter = load_drafter(args.drafter, target, dtype=drafter_dtype) if needs_drafter else None
     adapted = load_adapted_drafter(args.drafter, args.adapter, target, dtype=drafter_dtype,
                                    strict=not args.adapter_no_strict) if args.adapter else None
     prompts, skipped = load_bench_prompts(_csv(args.datasets), tokenizer, args.num_prompts,
                                           max_prompt_tokens=args.max_prompt_tokens or None, chat=not args.raw_prompts)
     meta = {"target": args.target, "drafter": args.drafter, "adapter": args.adapter, "dtype": args.dtype,
-            "drafter_dtype": args.drafter_dtype or args.dtype,
+            "drafter_dtype": drafter_dtype_label,
             "datasets": _csv(args.datasets), "skipped_prompts_too_long": skipped,
             "max_prompt_tokens": args.max_prompt_tokens or None, "raw_prompts": args.raw_prompts,
             "command": "dflash2 " + " ".join(sys.argv[1:]) if sys.argv else None}

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import probability
+from . import add_device_argument, add_drafter_dtype_argument, probability, resolve_device, resolve_drafter_dtype
 from .generate import DEFAULT_DRAFTER
 
 
@@ -22,9 +22,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--datasets", default="sharegpt,humaneval")
     parser.add_argument("--out", default="runs/main", help="where results.json / results.md / plots go")
-    parser.add_argument("--drafter-dtype", default="bf16", choices=("bf16", "fp32"),
-                        help="drafter precision (default bf16: cheaper drafting; the fp32 target's verification "
-                             "keeps the output identical)")
+    add_drafter_dtype_argument(parser, "auto", "auto")
+    add_device_argument(parser, "the target and the drafter")
     parser.add_argument("--confidence-threshold", type=probability, default=0.7,
                         help="also runs dflash2 with a dynamic draft length: each path cut after its first draft whose "
                              "selector probability is below this value (default 0.7: cheaper verification on CPUs; "
@@ -42,15 +41,16 @@ def run(args: argparse.Namespace) -> int:
 
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
-    target, tokenizer = load_target(args.target)
-    drafter = load_drafter(args.drafter, target, dtype=torch.bfloat16 if args.drafter_dtype == "bf16" else torch.float32)
+    target, tokenizer = load_target(args.target, device=resolve_device(args.device))
+    drafter_dtype, drafter_dtype_label = resolve_drafter_dtype(args.drafter_dtype, target.device)
+    drafter = load_drafter(args.drafter, target, dtype=drafter_dtype)
     prompts, _ = load_bench_prompts(args.datasets.split(","), tokenizer, num_prompts=args.num_prompts)
     methods = ("plain", "dflash2") + (("dflash2_dynamic",) if args.confidence_threshold else ())
     settings = BenchSettings(max_new_tokens=args.max_new_tokens, methods=methods,
                              confidence_threshold=args.confidence_threshold)
     results = run_benchmark(target, drafter, prompts, settings, out_dir=args.out,
                             meta={"target": args.target, "drafter": args.drafter,
-                                  "drafter_dtype": args.drafter_dtype})
+                                  "drafter_dtype": drafter_dtype_label})
 
     texts = {}
     for rec in results["records"]:

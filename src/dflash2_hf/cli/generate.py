@@ -13,7 +13,7 @@ import time
 import torch
 from transformers import TextStreamer
 
-from . import probability
+from . import add_device_argument, add_drafter_dtype_argument, probability, resolve_device, resolve_drafter_dtype
 
 DEFAULT_DRAFTER = "model_cards/dflash2-smollm2-135m-instruct"
 
@@ -32,6 +32,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(selector, or top-k softmax with --no-selector) is below this value "
                              "(drafter.generation_config.assistant_confidence_threshold; default 0 = full blocks). "
                              "Saves verification work where it grows with the block (CPUs)")
+    add_drafter_dtype_argument(parser, "auto", "auto")
+    add_device_argument(parser, "the target and the drafter")
     parser.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: torch's default)")
     parser.add_argument("--compare", action="store_true",
                         help="also run plain generate() and print the speedup and (greedy) whether outputs match")
@@ -64,8 +66,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
-    target, tokenizer = load_target(args.target)
-    drafter = load_drafter(args.drafter, target)
+    target, tokenizer = load_target(args.target, device=resolve_device(args.device))
+    drafter = load_drafter(args.drafter, target, dtype=resolve_drafter_dtype(args.drafter_dtype, target.device)[0])
     drafter.use_selector = not args.no_selector
     drafter.generation_config.assistant_confidence_threshold = args.confidence_threshold or None
     ids = prompt_ids(tokenizer, args.prompt).to(target.device)

@@ -308,7 +308,7 @@ def run(args: argparse.Namespace) -> int:
         logger.warning("--resume: no checkpoint in %s yet, starting fresh", args.output)
     device = resolve_device(args.device)
     target, tokenizer = load_target(args.target, dtype=torch.float32, device=device)
-    drafter = build_drafter(args, target, resume_from)
+    drafter = build_drafter(args, target, resume_from).to(device)  # the Trainer would place it; --eval-only does not run one
     cfg = drafter.config
     n_params = sum(p.numel() for p in drafter.parameters())
     logger.info("drafter: %d layers, B=%d, target layers %s, %.1fM parameters%s", cfg.num_hidden_layers,

@@ -2,6 +2,7 @@
 
 from .candidate_generator import DFlash2CandidateGenerator, DraftProposal
 from .decoding import dflash2_assisted_decoding
+from .precision import drafting_dtype, has_native_bf16
 from .routing import check_transformers_version, install, is_dflash2_drafter
 from .stats import GenerationStats
 
@@ -11,6 +12,8 @@ __all__ = [
     "GenerationStats",
     "check_transformers_version",
     "dflash2_assisted_decoding",
+    "drafting_dtype",
+    "has_native_bf16",
     "install",
     "is_dflash2_drafter",
 ]

@@ -184,13 +184,15 @@ class DFlash2CandidateGenerator:
             context = torch.cat(self.pending, dim=1) if len(self.pending) > 1 else self.pending[0]
             self.pending = []
             block_ids = torch.cat([input_ids[:, -1:].to(self.device), self.mask_ids], dim=1)
-            embeds = self.drafter.embed_block(block_ids, self.embedding_weight)
+            # the target's embedding / LM head may live on another device (device_map="auto", a CPU drafter)
+            embeds = self.drafter.embed_block(block_ids.to(self.embedding_weight.device), self.embedding_weight)
+            embeds = embeds.to(self.device)
             start = anchor_pos - context.shape[1]
             position_ids = torch.arange(start, anchor_pos + self.block_size, device=self.device)[None]
             hidden = self.drafter(embeds, context, position_ids=position_ids, cache=self.cache).last_hidden_state
             self.cache.crop(-self.block_size)  # keep the context keys/values, drop the block's
             hidden = hidden[:, 1 : 1 + num_drafts]
-            logits = self.drafter.compute_logits(hidden, self.lm_head)[0]  # (P, V) or (P, draft vocab)
+            logits = self.drafter.compute_logits(hidden, self.lm_head)[0].to(self.device)  # (P, V) or (P, draft vocab)
 
         with timed(self.stats, "select_seconds", self.device):
             if not self.do_sample and self.selector is None and not self.confidence_threshold:

@@ -32,6 +32,7 @@ from transformers.utils import logging
 
 from ..errors import UnsupportedGenerationError
 from .candidate_generator import DFlash2CandidateGenerator, DraftProposal
+from .precision import warn_if_emulated_bf16
 from .stats import GenerationStats, timed
 
 logger = logging.get_logger(__name__)
@@ -201,6 +202,7 @@ def dflash2_assisted_decoding(
     drafter.check_target(target)
     max_drafts, confidence_threshold = _draft_length_settings(drafter)
     _warn_ignored_generate_knobs(generation_config)
+    warn_if_emulated_bf16(drafter)
     cache_key = _cache_key(model_kwargs)
     target_cache = model_kwargs[cache_key]
     if target_cache.get_seq_length() > 0:

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from .collator import BlockCollator
-from .losses import accumulate_stats, drafter_loss, summarize_stats
+from .losses import accumulate_stats, drafter_loss, lm_head_on, summarize_stats
 
 
 @torch.no_grad()
@@ -54,6 +54,7 @@ def evaluate_blocks(
     n = len(dataset) if max_sequences is None else min(len(dataset), max_sequences)
     total = None
     param = next(drafter.parameters())
+    target_lm_head = lm_head_on(target_lm_head, param.device)
     try:
         for start in range(0, n, batch_size):
             batch = col([dataset[i] for i in range(start, min(n, start + batch_size))])

@@ -313,7 +313,11 @@ class FeatureCache:
         orig_dtype = next(target.parameters()).dtype
         was_training = target.training
         target.eval()
+        saved = None
         if orig_dtype != compute_dtype:
+            # casting back would leave the weights rounded to compute_dtype (the frozen LM head and embeddings of
+            # the training loss among them): keep exact copies to restore
+            saved = {k: v.detach().to("cpu", copy=True) for k, v in target.state_dict().items()}
             target.to(compute_dtype)
         device = next(target.parameters()).device
         t0 = time.time()
@@ -342,8 +346,9 @@ class FeatureCache:
             bar.close()
             if pending:  # interrupted by an exception: keep what is complete
                 self._write_shard(pending, save_file)
-            if orig_dtype != compute_dtype:
+            if saved is not None:
                 target.to(orig_dtype)
+                target.load_state_dict(saved)
             target.train(was_training)
             seconds = time.time() - t0
             meta = self.meta or meta

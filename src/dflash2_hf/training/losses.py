@@ -14,6 +14,7 @@ Logits are only computed for labelled slots (the LM head is the most expensive p
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass, field
 
@@ -24,6 +25,17 @@ from torch import nn
 from .collator import IGNORE_INDEX
 
 _GAMMA_POINTS = ((8, 4.0), (10, 5.0), (16, 7.0))
+
+
+def lm_head_on(lm_head: nn.Module, device: torch.device) -> nn.Module:
+    """The frozen target LM head on ``device``: itself if it is there, else a frozen copy moved there.
+
+    A copy, not ``lm_head.to(device)``: the head stays where the target needs it for its own forwards (feature
+    building), and the ``(M, V)`` training logits never cross devices. Calling again with the copy is free.
+    """
+    if lm_head.weight.device == torch.device(device):
+        return lm_head
+    return copy.deepcopy(lm_head).requires_grad_(False).to(device)
 
 
 def default_gamma(block_size: int) -> float:
@@ -230,4 +242,5 @@ def summarize_stats(stats: dict[str, torch.Tensor], prefix: str = "") -> dict[st
     return out
 
 
-__all__ = ["DrafterLossOutput", "accumulate_stats", "default_gamma", "drafter_loss", "slot_weights", "summarize_stats"]
+__all__ = ["DrafterLossOutput", "accumulate_stats", "default_gamma", "drafter_loss", "lm_head_on", "slot_weights",
+           "summarize_stats"]

@@ -29,7 +29,7 @@ from torch import nn
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from ..modeling_dflash2 import DFlash2DraftModel
-from .losses import accumulate_stats, drafter_loss, summarize_stats
+from .losses import accumulate_stats, drafter_loss, lm_head_on, summarize_stats
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ def default_training_arguments(output_dir: str, **overrides) -> DFlash2TrainingA
         report_to="none",
         remove_unused_columns=False,
         dataloader_num_workers=0,
-        dataloader_pin_memory=False,
+        dataloader_pin_memory=torch.cuda.is_available(),  # pinned host memory speeds up the feature copies
         seed=0,
     )
     kw.update(overrides)
@@ -215,9 +215,10 @@ class DFlash2Trainer(Trainer):
 
     # ------------------------------------------------------------------ loss
     def autocast_smart_context_manager(self, cache_enabled: bool | None = True):
-        """bfloat16 autocast on CPU when ``args.bf16`` (covers the LM head, which lives outside the model)."""
-        if self.args.bf16 and self.args.device.type == "cpu":
-            return torch.autocast(device_type="cpu", dtype=torch.bfloat16, cache_enabled=cache_enabled)
+        """bfloat16 autocast when ``args.bf16``, around the whole loss: accelerate's autocast wraps only
+        ``model.forward``, and the LM head and the selector live outside it."""
+        if self.args.bf16:
+            return torch.autocast(device_type=self.args.device.type, dtype=torch.bfloat16, cache_enabled=cache_enabled)
         return contextlib.nullcontext()
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
@@ -230,6 +231,7 @@ class DFlash2Trainer(Trainer):
         if embed_w.device != inputs["block_input_ids"].device:
             embed_w = self.target_embedding = embed_w.to(inputs["block_input_ids"].device)
         embeds = drafter.embed_block(inputs["block_input_ids"], embed_w)
+        self.target_lm_head = lm_head_on(self.target_lm_head, embeds.device)
         out = model(
             noise_embeds=embeds,
             context_hidden_states=inputs["context_hidden_states"],

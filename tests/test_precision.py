@@ -1,0 +1,89 @@
+"""Drafting dtype: bf16 only where the device computes it natively; a clear warning where it is emulated."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from conftest import make_drafter
+from transformers.utils import logging as hf_logging
+
+from dflash2_hf.cli import build_parser, resolve_drafter_dtype
+from dflash2_hf.generation import drafting_dtype, has_native_bf16
+from dflash2_hf.generation.precision import warn_if_emulated_bf16
+
+
+@pytest.fixture
+def cpu_bf16(monkeypatch):
+    """Sets what torch reports about the CPU's bf16 instructions."""
+
+    def set_native(native: bool) -> None:
+        monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: native, raising=False)
+        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False, raising=False)
+
+    return set_native
+
+
+@pytest.mark.parametrize("native, expected", [(True, torch.bfloat16), (False, torch.float32)])
+def test_drafting_dtype_follows_the_cpu(cpu_bf16, native, expected):
+    cpu_bf16(native)
+    assert has_native_bf16("cpu") is native
+    assert drafting_dtype(torch.device("cpu")) == expected
+    assert resolve_drafter_dtype("auto", "cpu") == (expected, f"{'bf16' if native else 'fp32'} (auto)")
+
+
+def test_amx_alone_counts_as_native(monkeypatch):
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False, raising=False)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True, raising=False)
+    assert drafting_dtype("cpu") == torch.bfloat16
+
+
+def test_explicit_drafter_dtypes_are_kept(cpu_bf16):
+    cpu_bf16(False)  # an explicit choice wins over the hardware probe
+    assert resolve_drafter_dtype("bf16", "cpu") == (torch.bfloat16, "bf16")
+    assert resolve_drafter_dtype("float32", "cpu") == (torch.float32, "fp32")
+
+
+@pytest.mark.parametrize("command", ["demo", "generate", "bench"])
+def test_cli_accepts_auto_drafter_dtype(command):
+    extra = {"generate": ["--prompt", "hi"], "bench": ["--drafter", "fresh", "--out", "unused"]}.get(command, [])
+    args = build_parser().parse_args([command, *extra, "--drafter-dtype", "auto"])
+    assert args.drafter_dtype == "auto"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args([command, *extra, "--drafter-dtype", "fp16"])
+
+
+def test_emulated_bf16_drafter_warns_once_with_the_fix(targets, cpu_bf16, caplog):
+    drafter = make_drafter(targets["llama"])
+    logging.Logger.warning_once.cache_clear()
+    hf_logging.enable_propagation()
+    try:
+        with caplog.at_level("WARNING"):
+            cpu_bf16(True)
+            warn_if_emulated_bf16(drafter.to(torch.bfloat16))  # native bf16: no warning
+            cpu_bf16(False)
+            warn_if_emulated_bf16(drafter.float())  # fp32: no warning
+            assert "bf16 instructions" not in caplog.text
+            warn_if_emulated_bf16(drafter.to(torch.bfloat16))
+    finally:
+        hf_logging.disable_propagation()
+        logging.Logger.warning_once.cache_clear()
+    assert "bf16 instructions" in caplog.text and "dtype=torch.float32" in caplog.text
+
+
+@pytest.mark.parametrize("capability, native", [((7, 5), False), ((8, 0), True), ((9, 0), True)])
+def test_cuda_bf16_needs_ampere_on_that_very_gpu(monkeypatch, capability, native):
+    # torch.cuda.is_bf16_supported() would say yes for emulated bf16 (T4, V100) and check only the current GPU
+    asked = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i: asked.append(i) or capability)
+    monkeypatch.setattr(torch.version, "hip", None)
+    assert has_native_bf16("cuda:1") is native and asked == [1]
+    assert drafting_dtype(torch.device("cuda")) == (torch.bfloat16 if native else torch.float32) and asked[-1] == 0
+
+
+def test_no_cuda_means_no_cuda_bf16(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert has_native_bf16("cuda") is False
