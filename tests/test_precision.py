@@ -1,4 +1,4 @@
-"""Drafting dtype: bf16 only where the device computes it natively; a clear warning where it is emulated."""
+"""Drafting dtype and device: bf16 only where the device computes it natively; clear warnings where drafting is slow."""
 
 from __future__ import annotations
 
@@ -87,3 +87,20 @@ def test_cuda_bf16_needs_ampere_on_that_very_gpu(monkeypatch, capability, native
 def test_no_cuda_means_no_cuda_bf16(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert has_native_bf16("cuda") is False
+
+
+def test_cpu_drafter_next_to_an_accelerator_target_warns(targets, caplog):
+    from dflash2_hf.generation.decoding import _warn_cpu_drafter
+
+    drafter = make_drafter(targets["llama"])
+    logging.Logger.warning_once.cache_clear()
+    hf_logging.enable_propagation()
+    try:
+        with caplog.at_level("WARNING"):
+            _warn_cpu_drafter(drafter, torch.zeros(1, 3, dtype=torch.long))  # both on the CPU: fine
+            assert "draft.to(target.device)" not in caplog.text
+            _warn_cpu_drafter(drafter, torch.zeros(1, 3, dtype=torch.long, device="meta"))  # stands in for a GPU
+    finally:
+        hf_logging.disable_propagation()
+        logging.Logger.warning_once.cache_clear()
+    assert "drafter is on the CPU" in caplog.text and "draft.to(target.device)" in caplog.text

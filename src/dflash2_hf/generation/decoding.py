@@ -108,6 +108,15 @@ def _warn_ignored_generate_knobs(generation_config) -> None:
         )
 
 
+def _warn_cpu_drafter(drafter, input_ids) -> None:
+    """A CPU drafter next to an accelerator target works (tensors are moved) but drafts slowly: say how to fix it."""
+    if drafter.device.type == "cpu" and input_ids.device.type != "cpu":
+        logger.warning_once(
+            f"The drafter is on the CPU while the target runs on {input_ids.device}: drafting runs on the CPU (slow). "
+            "Move it with draft.to(target.device)."
+        )
+
+
 def _first_stop(stopping_criteria, sequence: torch.LongTensor, start: int, scores) -> int | None:
     """Index (0-based, among tokens from ``start`` on) of the first token after which a criterion fires."""
     for end in range(start + 1, sequence.shape[1] + 1):
@@ -203,6 +212,7 @@ def dflash2_assisted_decoding(
     max_drafts, confidence_threshold = _draft_length_settings(drafter)
     _warn_ignored_generate_knobs(generation_config)
     warn_if_emulated_bf16(drafter)
+    _warn_cpu_drafter(drafter, input_ids)
     cache_key = _cache_key(model_kwargs)
     target_cache = model_kwargs[cache_key]
     if target_cache.get_seq_length() > 0:
