@@ -18,6 +18,7 @@ No training or data is involved: it bounds what any drafter can do with this tar
 from __future__ import annotations
 
 import argparse
+import inspect
 import statistics
 import time
 
@@ -63,11 +64,13 @@ def main() -> None:
     prompt_len = ids.shape[1]
     sizes = [int(s) for s in args.sizes.split(",")]
     new_tokens = {n: torch.randint(0, 1000, (1, n)) for n in sizes}
+    # transformers 5.24 renamed the forward's cache argument past_key_values -> cache
+    cache_arg = "cache" if "cache" in inspect.signature(target.forward).parameters else "past_key_values"
 
     def verify(n: int) -> None:
         with torch.no_grad():
-            target(new_tokens[n], past_key_values=cache, use_cache=True, output_hidden_states=layers,
-                   position_ids=torch.arange(prompt_len, prompt_len + n)[None])
+            target(new_tokens[n], use_cache=True, output_hidden_states=layers,
+                   position_ids=torch.arange(prompt_len, prompt_len + n)[None], **{cache_arg: cache})
         cache.crop(-n)
 
     def draft_step(name: str) -> None:  # steady state: cached context, only the newly accepted positions to add
@@ -105,10 +108,13 @@ def main() -> None:
           f"{'max speedup (tau=n)':>20}")
     for n in sizes:
         cycle = best_draft + verify_ms[n]
+        if n == 1:  # a plain decoding step: no drafts, so no tau to reach
+            print(f"{n:>3} {verify_ms[n]:>12.1f} {1:>10.2f} {'-':>11} {'-':>13} {'-':>20}")
+            continue
         print(f"{n:>3} {verify_ms[n]:>12.1f} {verify_ms[n] / decode:>10.2f} {cycle / decode:>11.2f} "
               f"{1.8 * cycle / decode:>13.2f} {n * decode / cycle:>19.2f}x")
     print("\ntau for S = S * (T_draft + T_verify(n)) / T_decode, with the cheaper drafter dtype; "
-          "n = drafts + 1 verified per cycle (a full block of B verifies n = B).")
+          "n = drafts + 1 verified per cycle (a full block of B verifies n = B); n = 1 is plain decoding (T_decode).")
 
 
 if __name__ == "__main__":

@@ -125,8 +125,35 @@ def test_cli_prints_one_line_errors(capsys, tmp_path):
     assert "dflash2 generate: error: No drafter folder" in err and "Traceback" not in err
 
 
+def test_cli_missing_local_target_and_unreachable_hub_ids_are_one_line_errors(capsys, monkeypatch, tmp_path):
+    from dflash2_hf.cli import main
+
+    assert main(["generate", "--target", str(tmp_path / "nonexistent"), "--prompt", "hi"]) == 2
+    err = capsys.readouterr().err
+    assert "Unknown target" in err and "Traceback" not in err
+
+    def unreachable(args):  # what huggingface_hub raises for a Hub id it cannot reach
+        raise OSError("We couldn't connect to the Hub to load someorg/none")
+
+    import dflash2_hf.cli.generate as generate_cli
+
+    monkeypatch.setattr(generate_cli, "run", unreachable)
+    assert main(["generate", "--prompt", "hi"]) == 2
+    assert "dflash2 generate: error: We couldn't connect" in capsys.readouterr().err
+
+
+def test_cli_refuses_a_negative_temperature(capsys):
+    from dflash2_hf.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["generate", "--prompt", "hi", "--temperature", "-1"])
+    assert "must be >= 0" in capsys.readouterr().err
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
-@pytest.mark.parametrize("command", [["prepare-data", "--out", "unused"], ["train", "--data", "unused", "--output", "unused"]])
+@pytest.mark.parametrize("command", [["prepare-data", "--out", "unused"], ["train", "--data", "unused", "--output", "unused"],
+                                     ["generate", "--prompt", "hi"], ["demo", "--out", "unused"],
+                                     ["bench", "--drafter", "fresh", "--out", "unused"]])
 def test_device_cuda_without_gpu_is_refused_before_any_work(command, capsys, tmp_path, monkeypatch):
     from dflash2_hf.cli import main
 

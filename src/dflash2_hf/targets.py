@@ -180,7 +180,9 @@ def load_target(name_or_path: str = "smollm2", dtype: torch.dtype = torch.float3
         tokenizer = AutoTokenizer.from_pretrained(path)
         model = model_cls.from_pretrained(path, dtype=dtype)
     else:
-        if not os.path.exists(name_or_path) and name_or_path.count("/") != 1:
+        from .hub import is_local_path
+
+        if not os.path.exists(name_or_path) and (name_or_path.count("/") != 1 or is_local_path(name_or_path)):
             raise FileNotFoundError(
                 f"Unknown target {name_or_path!r}: not a bundled alias ({', '.join(sorted(TARGETS))}), not a local "
                 "folder, not a Hub id (org/name)."

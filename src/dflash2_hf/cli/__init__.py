@@ -30,9 +30,20 @@ def probability(text: str) -> float:
     return value
 
 
+def non_negative(text: str) -> float:
+    """argparse type of a value >= 0 (a sampling temperature: 0 = greedy)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0 (0 = greedy); got {text}")
+    return value
+
+
 def add_device_argument(parser: argparse.ArgumentParser, what: str) -> None:
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
-                        help=f"where {what} runs (default auto: the GPU when torch sees one, else the CPU)")
+                        help=f"where {what} run{'s' if ' and ' not in what else ''} (default auto: the GPU when torch sees one, else the CPU)")
 
 
 def resolve_device(spec: str):
@@ -102,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args._run(args) or 0)
-    except (DFlash2Error, FileNotFoundError, ImportError, ValueError) as err:
+    except (DFlash2Error, OSError, ImportError, ValueError) as err:  # OSError: also a Hub id that cannot be reached
         if os.environ.get("DFLASH2_DEBUG") == "1":
             raise
         print(f"dflash2 {args.command}: error: {err}", file=sys.stderr)

@@ -82,8 +82,8 @@ def _draft_length_settings(drafter) -> tuple[int, float | None]:
     threshold = getattr(config, "assistant_confidence_threshold", None)
     if cap is not None and (isinstance(cap, bool) or not isinstance(cap, numbers.Integral) or cap < 1):
         raise ValueError(
-            f"draft.generation_config.num_assistant_tokens must be a positive integer (drafts per cycle, at most "
-            f"block_size - 1 = {block_drafts}); got {cap!r}. None = full blocks."
+            f"draft.generation_config.num_assistant_tokens must be a positive integer (drafts per cycle; values above "
+            f"block_size - 1 = {block_drafts} are capped there); got {cap!r}. None = full blocks."
         )
     if threshold is not None and (
         isinstance(threshold, bool) or not isinstance(threshold, numbers.Real) or not 0 <= threshold < 1

@@ -44,9 +44,10 @@ def warn_if_emulated_bf16(drafter) -> None:
     """Logs once when a bf16 drafter runs on a CPU without bf16 instructions (slower than fp32 there; output unchanged)."""
     if drafter.dtype == torch.bfloat16 and drafter.device.type == "cpu" and not has_native_bf16(drafter.device):
         logger.warning_once(
-            "The drafter is bfloat16 but this CPU has no bf16 instructions (AVX512-BF16/AMX): drafting costs about "
-            "more than in float32 here (2.4x on one thread of an AVX2 CPU; output is the same either way). Load it with "
-            "DFlash2DraftModel.from_pretrained(..., dtype=torch.float32) or call draft.float()."
+            "The drafter is bfloat16 but this CPU has no bf16 instructions (AVX512-BF16/AMX): drafting costs more than "
+            "in float32 here (2.4x on one thread of an AVX2 CPU; the output is the same either way). Load it with "
+            "DFlash2DraftModel.from_pretrained(..., dtype=torch.float32) or call draft.float(); on the dflash2 "
+            "command line pass --drafter-dtype auto or fp32."
         )
 
 
