@@ -105,17 +105,28 @@ def test_push_without_card_explains_what_to_do(targets):
         make_drafter(targets["llama"]).push_to_hub("org/x")
 
 
+def _cached_hub_snapshot(tmp_path, repo_id: str) -> Path:
+    """The snapshot folder of ``repo_id`` in a huggingface_hub cache under ``tmp_path / "hub"`` (write files there)."""
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "hub" / f"models--{repo_id.replace('/', '--')}"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    return repo / "snapshots" / commit
+
+
+def _run_offline(tmp_path, code: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HOME": str(tmp_path)}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).parents[1] / "src"), env.get("PYTHONPATH")]))
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True,
+                          timeout=120)
+
+
 def test_hub_id_resolves_offline_from_populated_cache(targets, tmp_path):
     """from_pretrained('org/name') goes through huggingface_hub's cache resolution with HF_HUB_OFFLINE=1."""
     drafter = randomize_selector(make_drafter(targets["qwen3"]))
-    commit = "0123456789abcdef0123456789abcdef01234567"
-    repo = tmp_path / "hub" / "models--dflash2-test--tiny-drafter"
-    snapshot = repo / "snapshots" / commit
-    drafter.save_pretrained(snapshot)
-    (repo / "refs").mkdir(parents=True)
-    (repo / "refs" / "main").write_text(commit)
+    drafter.save_pretrained(_cached_hub_snapshot(tmp_path, "dflash2-test/tiny-drafter"))
     expected = drafter.candidate_selector.successor_codebook.sum().item()
-    code = textwrap.dedent(f"""
+    result = _run_offline(tmp_path, f"""
         import dflash2_hf
         from transformers import AutoModel
         from dflash2_hf import DFlash2DraftModel
@@ -126,11 +137,30 @@ def test_hub_id_resolves_offline_from_populated_cache(targets, tmp_path):
         assert abs(s - ({expected})) < 1e-3, s
         print("resolved", a.name_or_path)
     """)
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HOME": str(tmp_path)}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).parents[1] / "src"), env.get("PYTHONPATH")]))
-    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "resolved dflash2-test/tiny-drafter" in result.stdout
+
+
+def test_hub_adapter_resolves_offline_from_populated_cache(targets, tmp_path):
+    """load_adapter(drafter, 'org/name') checks and loads an adapter from the Hub cache (HF_HUB_OFFLINE=1)."""
+    from dflash2_hf.lora import add_lora, lora_config, save_adapter
+
+    drafter = make_drafter(targets["qwen3"])
+    drafter.save_pretrained(tmp_path / "base")
+    save_adapter(add_lora(DFlash2DraftModel.from_pretrained(tmp_path / "base"), lora_config(r=4)),
+                 _cached_hub_snapshot(tmp_path, "dflash2-test/tiny-adapter"))
+    result = _run_offline(tmp_path, f"""
+        from dflash2_hf import DFlash2DraftModel
+        from dflash2_hf.lora import load_adapter
+        model = load_adapter(DFlash2DraftModel.from_pretrained({str(tmp_path / "base")!r}), "dflash2-test/tiny-adapter")
+        print("adapter", type(model).__name__)
+        try:
+            load_adapter(DFlash2DraftModel.from_pretrained({str(tmp_path / "base")!r}), "dflash2-test/not-cached")
+        except FileNotFoundError as err:
+            print("refused:", err)
+    """)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "adapter PeftModel" in result.stdout and "refused: no LoRA adapter at 'dflash2-test/not-cached'" in result.stdout
 
 
 def test_bench_results_section_quotes_the_command_and_table(tmp_path):

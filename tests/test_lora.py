@@ -137,3 +137,17 @@ def test_bad_adapter_folders_give_clear_errors(targets, tmp_path, caplog):
     with caplog.at_level("WARNING"):
         assert load_adapter(make_drafter(targets["llama"]), tmp_path / "plain") is not None
     assert "cannot check" in caplog.text
+
+
+def test_unreachable_hub_adapter_is_a_clear_error_without_the_fingerprint_warning(targets, monkeypatch, caplog):
+    import huggingface_hub
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    def offline(repo_id, filename, **kw):
+        raise LocalEntryNotFoundError(f"{repo_id}/{filename} is not cached and the Hub is offline")
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", offline)
+    drafter = make_drafter(targets["llama"])
+    with caplog.at_level("WARNING"), pytest.raises(FileNotFoundError, match="no LoRA adapter at 'someorg/none'"):
+        load_adapter(drafter, "someorg/none")
+    assert "dflash2_adapter.json" not in caplog.text

@@ -105,6 +105,25 @@ def _stored_fingerprint(adapter_path: str | os.PathLike) -> dict | None:
         return None
 
 
+def check_hub_adapter(repo_id: str) -> None:
+    """Clear error for a Hub id that is no reachable LoRA adapter repo (before the fingerprint check warns about it).
+
+    Raises:
+        FileNotFoundError: ``adapter_config.json`` cannot be fetched (no such repo or file, offline without a cached
+            copy).
+    """
+    from huggingface_hub import hf_hub_download
+
+    try:
+        hf_hub_download(str(repo_id), "adapter_config.json")
+    except Exception as err:  # RepositoryNotFoundError, EntryNotFoundError, LocalEntryNotFoundError (offline), ...
+        raise FileNotFoundError(
+            f"no LoRA adapter at {str(repo_id)!r}: not a local folder, and its adapter_config.json cannot be fetched "
+            f"from the Hub ({type(err).__name__}). Pass the output folder of `dflash2 train --lora` or the id of a "
+            "reachable adapter repo (offline: HF_HUB_OFFLINE=1 with a cached copy)."
+        ) from err
+
+
 def check_adapter_folder(path: str | os.PathLike) -> None:
     """Clear errors for a local adapter folder that is missing, incomplete, truncated or corrupt.
 
@@ -145,7 +164,7 @@ def load_adapter(drafter, adapter_path: str | os.PathLike, is_trainable: bool = 
     Raises:
         AdapterMismatchError: the adapter's fingerprint names another drafter (the differing fields are listed),
             or (``strict``) other base weights of the same shapes, or ``drafter`` already carries LoRA layers.
-        FileNotFoundError: a local adapter folder does not exist.
+        FileNotFoundError: a local adapter folder does not exist, or a Hub id has no reachable adapter_config.json.
         CheckpointError: the folder lacks the adapter files, or they are truncated or corrupt.
 
     An adapter without ``dflash2_adapter.json`` (saved by plain ``peft``) loads with a warning: nothing can be checked.
@@ -164,6 +183,8 @@ def load_adapter(drafter, adapter_path: str | os.PathLike, is_trainable: bool = 
             "(DFlash2DraftModel.from_pretrained(...)), or call merge_and_unload() on the adapted model first.")
     if is_local_path(adapter_path):
         check_adapter_folder(path)
+    else:
+        check_hub_adapter(str(adapter_path))
     fingerprint = _stored_fingerprint(adapter_path)
     if fingerprint is None:
         logger.warning(f"{str(adapter_path)!r} has no {FINGERPRINT_FILE}: cannot check that this adapter was trained "
