@@ -62,7 +62,7 @@ def main() -> None:
         prefill = target(ids, use_cache=True, output_hidden_states=True)
     cache, context = prefill.past_key_values, prefill.hidden_states
     prompt_len = ids.shape[1]
-    sizes = [int(s) for s in args.sizes.split(",")]
+    sizes = sorted({1, *(int(s) for s in args.sizes.split(","))})  # n = 1 is T_decode, the reference
     new_tokens = {n: torch.randint(0, 1000, (1, n)) for n in sizes}
     # transformers 5.24 renamed the forward's cache argument past_key_values -> cache
     cache_arg = "cache" if "cache" in inspect.signature(target.forward).parameters else "past_key_values"

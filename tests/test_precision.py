@@ -104,3 +104,15 @@ def test_cpu_drafter_next_to_an_accelerator_target_warns(targets, caplog):
         hf_logging.disable_propagation()
         logging.Logger.warning_once.cache_clear()
     assert "drafter is on the CPU" in caplog.text and "draft.to(target.device)" in caplog.text
+
+
+def test_bf16_drafters_of_the_cli_keep_fp32_rotary_frequencies(targets, tmp_path):
+    from dflash2_hf.bench import load_drafter
+
+    target = targets["llama"]
+    make_drafter(target).save_pretrained(tmp_path)
+    reference = make_drafter(target).rotary_emb.inv_freq
+    for spec in ("fresh", str(tmp_path)):
+        drafter = load_drafter(spec, target, dtype=torch.bfloat16)
+        assert drafter.dtype == torch.bfloat16 and drafter.rotary_emb.inv_freq.dtype == torch.float32, spec
+        assert torch.equal(drafter.rotary_emb.inv_freq, reference), spec

@@ -237,13 +237,21 @@ def test_feature_cache_build_resume_and_stale(tmp_path, target):
 
 def test_bf16_feature_build_leaves_the_fp32_target_exact(tmp_path):
     target = _target()  # its own copy: the build casts it
-    before = {k: v.clone() for k, v in target.state_dict().items()}
+    tensors = lambda: dict([*target.named_parameters(), *target.named_buffers()])  # noqa: E731 (buffers: rotary)
+    before = {k: v.detach().clone() for k, v in tensors().items()}
+    assert any("inv_freq" in k for k in before)  # a non-persistent buffer: not in state_dict()
+    ids = torch.tensor([_records(1, seed=5)[0]["input_ids"][:20]])
+    with torch.no_grad():
+        logits = target(ids).logits
     drafter = _drafter(target)
     cache = FeatureCache(tmp_path, "tiny-llama", drafter.config.target_layer_ids)
     assert cache.build(target, _records(2, seed=4), max_length=30, compute_dtype=torch.bfloat16,
                        progress=False)["computed"] == 2
-    after = target.state_dict()
-    assert all(after[k].dtype == torch.float32 and torch.equal(after[k], v) for k, v in before.items())
+    after = tensors()
+    assert all(after[k].dtype == v.dtype and torch.equal(after[k], v) for k, v in before.items())
+    with torch.no_grad():
+        assert torch.equal(target(ids).logits, logits)
+
 
 
 def test_lm_head_on_keeps_a_head_already_there_and_copies_otherwise(target):

@@ -317,7 +317,10 @@ class FeatureCache:
         if orig_dtype != compute_dtype:
             # casting back would leave the weights rounded to compute_dtype (the frozen LM head and embeddings of
             # the training loss among them): keep exact copies to restore
-            saved = {k: v.detach().to("cpu", copy=True) for k, v in target.state_dict().items()}
+            # (parameters AND buffers: rotary frequencies and embedding scales are non-persistent buffers that
+            # state_dict() leaves out; named_* also share one copy for tied weights)
+            saved = {k: v.detach().to("cpu", copy=True)
+                     for k, v in [*target.named_parameters(), *target.named_buffers()]}
             target.to(compute_dtype)
         device = next(target.parameters()).device
         t0 = time.time()
@@ -348,7 +351,9 @@ class FeatureCache:
                 self._write_shard(pending, save_file)
             if saved is not None:
                 target.to(orig_dtype)
-                target.load_state_dict(saved)
+                with torch.no_grad():
+                    for k, v in [*target.named_parameters(), *target.named_buffers()]:
+                        v.copy_(saved[k])
             target.train(was_training)
             seconds = time.time() - t0
             meta = self.meta or meta
