@@ -162,3 +162,23 @@ def test_device_cuda_without_gpu_is_refused_before_any_work(command, capsys, tmp
     err = capsys.readouterr().err
     assert "--device cuda" in err and "use --device cpu" in err
     assert not any(tmp_path.iterdir())  # nothing written
+
+
+def test_device_values(monkeypatch):
+    import argparse
+
+    from dflash2_hf.cli import device_spec, resolve_device
+
+    assert [device_spec(v) for v in ("auto", "cpu", "cuda", "cuda:1")] == ["auto", "cpu", "cuda", "cuda:1"]
+    for bad in ("gpu", "cuda:x", "cuda:"):
+        with pytest.raises(argparse.ArgumentTypeError, match="auto, cpu, cuda or cuda:N"):
+            device_spec(bad)
+    assert resolve_device("cpu") == torch.device("cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert resolve_device("cuda:1") == torch.device("cuda:1")
+    with pytest.raises(ValueError, match="sees 2 GPU"):
+        resolve_device("cuda:2")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match="--device cuda:1: .* sees no CUDA GPU"):
+        resolve_device("cuda:1")

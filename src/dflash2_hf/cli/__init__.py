@@ -41,25 +41,38 @@ def non_negative(text: str) -> float:
     return value
 
 
+def device_spec(text: str) -> str:
+    """argparse type of a ``--device`` value: ``auto``, ``cpu``, ``cuda`` or ``cuda:N``."""
+    if text in ("auto", "cpu", "cuda") or (text.startswith("cuda:") and text[5:].isdigit()):
+        return text
+    raise argparse.ArgumentTypeError(f"must be auto, cpu, cuda or cuda:N (a GPU index); got {text!r}")
+
+
 def add_device_argument(parser: argparse.ArgumentParser, what: str) -> None:
-    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
-                        help=f"where {what} run{'s' if ' and ' not in what else ''} (default auto: the GPU when torch sees one, else the CPU)")
+    parser.add_argument("--device", default="auto", type=device_spec, metavar="{auto,cpu,cuda,cuda:N}",
+                        help=f"where {what} run{'s' if ' and ' not in what else ''} (default auto: the GPU when torch "
+                             "sees one, else the CPU)")
 
 
 def resolve_device(spec: str):
     """``torch.device`` for a ``--device`` value.
 
     Raises:
-        ValueError: ``cuda`` asked for but ``torch.cuda.is_available()`` is False.
+        ValueError: ``cuda`` / ``cuda:N`` asked for but ``torch.cuda.is_available()`` is False, or GPU ``N`` does
+            not exist.
     """
     import torch
 
     if spec == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if spec == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"--device cuda: torch {torch.__version__} sees no CUDA GPU (a CPU-only build or no driver); "
-                         "use --device cpu")
-    return torch.device(spec)
+    device = torch.device(spec)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"--device {spec}: torch {torch.__version__} sees no CUDA GPU (a CPU-only build or no "
+                             "driver); use --device cpu")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(f"--device {spec}: torch sees {torch.cuda.device_count()} GPU(s), numbered from 0")
+    return device
 
 
 DRAFTER_DTYPES = ("auto", "bf16", "bfloat16", "fp32", "float32")
