@@ -422,7 +422,7 @@ class DFlash2DraftModel(DFlash2PreTrainedModel):
             )
 
     @classmethod
-    def from_target(cls, target: PreTrainedModel, **overrides) -> "DFlash2DraftModel":
+    def from_target(cls, target: PreTrainedModel, *, dtype: torch.dtype | None = None, **overrides) -> "DFlash2DraftModel":
         """A freshly initialised drafter sized for ``target``.
 
         Copies the target's hidden size, heads, head dim, MLP width, vocabulary, rope and norm settings; spreads
@@ -431,8 +431,12 @@ class DFlash2DraftModel(DFlash2PreTrainedModel):
         start at the identity, the successor codebook at zero. ``overrides`` set any :class:`DFlash2Config` field
         (e.g. ``num_hidden_layers=5``, ``block_size=16``, ``use_candidate_selector=False``).
 
+        Args:
+            dtype: the drafter's dtype (default: the target's); its rotary frequencies stay float32 whatever it is,
+                as ``from_pretrained(..., dtype=...)`` leaves them.
+
         Returns:
-            a drafter in the target's dtype, on the target's device.
+            a drafter on the target's device.
         """
         tc = target.config.get_text_config()
         hidden = tc.hidden_size
@@ -478,7 +482,11 @@ class DFlash2DraftModel(DFlash2PreTrainedModel):
             fields["target_layer_ids"] = None  # recomputed from num_target_layers
         drafter = cls(DFlash2Config(**fields))
         param = next(target.parameters())
-        return drafter.to(device=param.device, dtype=param.dtype)
+        rotary = dict(drafter.rotary_emb.named_buffers())  # float32: a cast to bf16 would round them
+        drafter.to(device=param.device, dtype=dtype or param.dtype)
+        for name, value in rotary.items():
+            setattr(drafter.rotary_emb, name, value.to(param.device))
+        return drafter
 
     def save_pretrained(self, save_directory: str | os.PathLike, *args, **kwargs) -> None:
         """``PreTrainedModel.save_pretrained`` that also records the weights' digest in ``config.weights_sha256``.

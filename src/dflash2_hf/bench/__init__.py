@@ -38,11 +38,7 @@ def load_drafter(spec: str, target, dtype: torch.dtype | None = None, **fresh_ov
     param = next(target.parameters())
     dtype = dtype or param.dtype
     if spec == "fresh":
-        drafter = DFlash2DraftModel.from_target(target, **fresh_overrides)
-        rotary = {k: v.clone() for k, v in drafter.rotary_emb.named_buffers()}
-        drafter = drafter.to(dtype)
-        for k, v in rotary.items():  # keep the float32 rotary frequencies, as from_pretrained(dtype=...) does
-            setattr(drafter.rotary_emb, k, v)
+        drafter = DFlash2DraftModel.from_target(target, dtype=dtype, **fresh_overrides)
     else:  # loaded in `dtype` rather than cast after: a cast would also round the float32 rotary frequencies
         drafter = DFlash2DraftModel.from_pretrained(spec, dtype=dtype)
     return drafter.to(param.device).eval()

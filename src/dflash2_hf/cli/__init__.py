@@ -19,26 +19,24 @@ SUBCOMMANDS = {
 }
 
 
-def probability(text: str) -> float:
-    """argparse type of a threshold in ``[0, 1)`` (0 = off)."""
+def _number(text: str, ok, rule: str) -> float:
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not 0 <= value < 1:
-        raise argparse.ArgumentTypeError(f"must be a probability in [0, 1) (0 = off); got {text}")
+    if not ok(value):  # written so that NaN fails too
+        raise argparse.ArgumentTypeError(f"must be {rule}; got {text}")
     return value
+
+
+def probability(text: str) -> float:
+    """argparse type of a threshold in ``[0, 1)`` (0 = off)."""
+    return _number(text, lambda v: 0 <= v < 1, "a probability in [0, 1) (0 = off)")
 
 
 def non_negative(text: str) -> float:
     """argparse type of a value >= 0 (a sampling temperature: 0 = greedy)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0 (0 = greedy); got {text}")
-    return value
+    return _number(text, lambda v: v >= 0, ">= 0 (0 = greedy)")
 
 
 def device_spec(text: str) -> str:
@@ -94,9 +92,10 @@ def resolve_drafter_dtype(spec: str, device) -> tuple[object, str]:
 
     if spec == "auto":
         dtype = drafting_dtype(device)
-        return dtype, f"{'bf16' if dtype == torch.bfloat16 else 'fp32'} (auto)"
-    dtype = torch.bfloat16 if spec in ("bf16", "bfloat16") else torch.float32
-    return dtype, "bf16" if dtype == torch.bfloat16 else "fp32"
+    else:
+        dtype = torch.bfloat16 if spec in ("bf16", "bfloat16") else torch.float32
+    label = "bf16" if dtype == torch.bfloat16 else "fp32"
+    return dtype, f"{label} (auto)" if spec == "auto" else label
 
 
 def build_parser() -> argparse.ArgumentParser:
