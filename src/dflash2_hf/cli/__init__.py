@@ -14,6 +14,7 @@ SUBCOMMANDS = {
     "generate": "generate",
     "demo": "demo",
     "prepare-data": "prepare_data",
+    "export-data": "export_data",
     "train": "train",
     "bench": "bench",
 }

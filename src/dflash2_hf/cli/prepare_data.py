@@ -53,6 +53,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="keep only conversations whose first human turn or its original answer holds a fenced "
                              "code block (a code-domain set, e.g. for a LoRA adapter); others are skipped as "
                              "filtered_out")
+    parser.add_argument("--skip-records-in", action="append", default=[], metavar="DATASET",
+                        help="a dataset folder of `dflash2 export-data` (e.g. the committed one): its records, kept or "
+                             "skipped, are not regenerated again (repeatable)")
     parser.add_argument("--note", default=None, help="free text stored in meta.json")
     parser.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
     add_device_argument(parser, "the target's regeneration")
@@ -78,7 +81,8 @@ def run(args: argparse.Namespace) -> int:
                           sort_window=args.sort_window, num_threads=args.num_threads, max_batches=args.max_batches,
                           progress=not args.no_progress, note=note,
                           cache_implementation=None if args.cache_implementation == "dynamic" else "static",
-                          record_filter="code" if args.only_code else None, source_path=args.source)
+                          record_filter="code" if args.only_code else None, source_path=args.source,
+                          skip_records_in=args.skip_records_in)
     print(json.dumps(counts, indent=2, default=str))
     if not counts.get("kept"):
         skipped = dict(counts.get("skipped") or {})
