@@ -1,4 +1,4 @@
-"""Shared fixtures: tiny random targets of three architectures and drafters sized for them (no downloads)."""
+"""Shared fixtures: tiny random targets of three architectures, drafters sized for them, an oracle drafter (no downloads)."""
 
 from __future__ import annotations
 
@@ -78,6 +78,40 @@ def randomize_convs(drafter, seed: int = 3):
                 conv.base_kernel.add_(torch.randn(conv.base_kernel.shape, generator=g) * 0.3)
                 conv.kernel_projection.weight.copy_(torch.randn(conv.kernel_projection.weight.shape, generator=g) * 0.05)
     return drafter
+
+
+class Oracle:
+    """Replaces the drafter's path by the target's true greedy continuation, wrong at chosen draft slots.
+
+    Exercises long accepted blocks on random tiny models (a random drafter almost never guesses right). The real
+    drafter still runs, so its cache bookkeeping is exercised too.
+    """
+
+    def __init__(self, reference: torch.LongTensor, wrong_slot_per_cycle=lambda cycle: None):
+        self.reference = reference[0]  # plain generate()'s output of the same call (aligned with the loop's input_ids)
+        self.wrong = wrong_slot_per_cycle  # cycle index -> slot (0-based) to corrupt, or None
+        self.cycle = 0
+
+    def install(self, monkeypatch):
+        from dflash2_hf.generation import candidate_generator as cg
+
+        original = cg.DFlash2CandidateGenerator.propose
+        oracle = self
+
+        def propose(gen, input_ids, num_drafts):
+            proposal = original(gen, input_ids, num_drafts)
+            start = input_ids.shape[1]
+            truth = oracle.reference[start : start + num_drafts].clone()
+            if truth.numel() < num_drafts:  # past the reference's end: anything
+                truth = torch.cat([truth, torch.full((num_drafts - truth.numel(),), 7)])
+            slot = oracle.wrong(oracle.cycle)
+            if slot is not None and slot < num_drafts:
+                truth[slot] = (truth[slot] + 1) % 90 + 6
+            oracle.cycle += 1
+            proposal.tokens = truth[None]
+            return proposal
+
+        monkeypatch.setattr(cg.DFlash2CandidateGenerator, "propose", propose)
 
 
 @pytest.fixture(scope="session")

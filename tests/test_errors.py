@@ -58,10 +58,10 @@ def test_batch_size_above_one(targets):
 
 
 def test_batch_size_above_one_on_our_loop_directly(targets):
-    from dflash2_hf.generation.decoding import _validate
+    from dflash2_hf.generation.inputs import validate
 
     with pytest.raises(UnsupportedGenerationError, match="batch size 1.*once per prompt"):
-        _validate(targets["llama"], torch.zeros(2, 3, dtype=torch.long), targets["llama"].generation_config, False, {})
+        validate(targets["llama"], torch.zeros(2, 3, dtype=torch.long), targets["llama"].generation_config, False, {})
 
 
 def test_untested_transformers_version(monkeypatch, targets):

@@ -10,7 +10,7 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
 from dflash2_hf.generation import candidate_generator as cg
-from conftest import make_drafter, randomize_convs, randomize_selector
+from conftest import Oracle, make_drafter, randomize_convs, randomize_selector
 
 ARCHS = ("llama", "qwen3", "gemma3")
 # (selector on?, convolutions on?) — randomised so both really change the drafts
@@ -49,38 +49,6 @@ def test_greedy_identity_random_drafter(targets, arch, selector, conv):
         # every cycle emits >= 1 and <= B tokens; tokens add up to what was generated (first comes from prefill)
         assert all(1 <= a <= drafter.config.block_size for a in stats.acceptance_lengths)
         assert 1 + sum(stats.acceptance_lengths) == stats.new_tokens
-
-
-class Oracle:
-    """Replaces the drafter's path by the target's true greedy continuation, wrong at chosen draft slots.
-
-    Exercises long accepted blocks on random tiny models (a random drafter almost never guesses right). The real
-    drafter still runs, so its cache bookkeeping is exercised too.
-    """
-
-    def __init__(self, reference: torch.LongTensor, wrong_slot_per_cycle):
-        self.reference = reference[0]
-        self.wrong = wrong_slot_per_cycle  # cycle index -> slot (0-based) to corrupt, or None
-        self.cycle = 0
-
-    def install(self, monkeypatch):
-        original = cg.DFlash2CandidateGenerator.propose
-        oracle = self
-
-        def propose(gen, input_ids, num_drafts):
-            proposal = original(gen, input_ids, num_drafts)
-            start = input_ids.shape[1]
-            truth = oracle.reference[start : start + num_drafts].clone()
-            if truth.numel() < num_drafts:  # past the reference's end: anything
-                truth = torch.cat([truth, torch.full((num_drafts - truth.numel(),), 7)])
-            slot = oracle.wrong(oracle.cycle)
-            if slot is not None and slot < num_drafts:
-                truth[slot] = (truth[slot] + 1) % 90 + 6
-            oracle.cycle += 1
-            proposal.tokens = truth[None]
-            return proposal
-
-        monkeypatch.setattr(cg.DFlash2CandidateGenerator, "propose", propose)
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -17,28 +17,20 @@ from typing import Any
 
 from huggingface_hub.dataclasses import strict
 from transformers import PreTrainedConfig
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-# Keys of the published format's nested `dflash_config` dict that map 1:1 onto our flat fields.
-PUBLISHED_DFLASH_KEYS = (
-    "block_size",
-    "mask_token_id",
-    "target_layer_ids",
-    "conv_kernel_size",
-    "conv_group_size",
-    "selector_rank",
-    "selector_top_k",
-    "output_multiplier",
-    "final_logit_softcapping",
-    "input_embedding_scale",
-)
-PUBLISHED_ARCHITECTURES = {"DFlashDraftModel": 1, "DFlash2DraftModel": 2}
+from .masking import LAYER_TYPES, SLIDING_ATTENTION
+from .published import published_target_layer_ids, to_published, translate_published
 
 
 def default_target_layer_ids(num_target_layers: int, num_layers: int = 5) -> list[int]:
-    """Target layers whose hidden states feed the drafter (DESIGN.md section 2).
+    """Target layers whose hidden states feed the drafter (DESIGN.md section 2): our default for our own configs.
 
-    ``num_layers`` layers spread evenly from layer 1 to layer ``L - 3`` of an ``L``-layer target, rounded;
-    0-based decoder-layer indices (``hidden_states[i + 1]`` in ``transformers`` outputs).
+    ``num_layers`` layers spread evenly from layer 1 to layer ``L - 3`` of an ``L``-layer target, rounded, without
+    duplicates; 0-based decoder-layer indices (``hidden_states[i + 1]`` in ``transformers`` outputs). Every config
+    we write records the resolved list, so this default never decides how a saved drafter is read. A published
+    config without ``target_layer_ids`` gets the reference's rule instead
+    (:func:`dflash2_hf.published.published_target_layer_ids`).
 
     Raises:
         ValueError: the target is too shallow (fewer than 4 layers) to spread layers over.
@@ -81,7 +73,20 @@ class DFlash2Config(PreTrainedConfig):
         input_embedding_scale (`float`): multiplies the raw target embedding lookup (e.g. Gemma's sqrt(H_t)).
         draft_vocab_size (`int`, *optional*): size of the draft vocabulary (see
             :meth:`~dflash2_hf.DFlash2DraftModel.set_draft_vocab`); None = the target's whole vocabulary.
-        Other fields (heads, rope, norms, MLP width) follow ``transformers``' Qwen3 config.
+        layer_types (`list[str]`, *optional*): per drafter layer, ``"full_attention"`` or ``"sliding_attention"``;
+            None = every layer full (DESIGN.md section 6, :mod:`dflash2_hf.masking`).
+        sliding_window (`int`, *optional*): window of the sliding layers (None = a sliding layer has no window).
+        is_causal (`bool`, *optional*): every layer causal (True) or bidirectional (False); None = sliding layers
+            causal, full ones bidirectional. The block is always bidirectional when no layer is sliding and this is
+            None (the DFlash default).
+        rope_parameters (`dict`, *optional*): ``transformers``' rope dict (``rope_type`` one of ``"default"`` and
+            ``ROPE_INIT_FUNCTIONS``: linear, dynamic, yarn, longrope, llama3, ...); the 4.x keys ``rope_theta`` /
+            ``rope_scaling`` are accepted too and standardised by ``transformers``. Default: ``{"rope_type":
+            "default", "rope_theta": 100000.0}``.
+        Other fields (heads, norms, MLP width) follow ``transformers``' Qwen3 config.
+
+    Raises:
+        ValueError: on init, a field value that cannot work (see :meth:`validate_drafter`).
     """
 
     model_type = "dflash2"
@@ -129,6 +134,11 @@ class DFlash2Config(PreTrainedConfig):
     # (ids stored as the `draft_vocab_ids` buffer); None = the whole vocabulary. Verification is unaffected.
     draft_vocab_size: int | None = None
 
+    # Attention layout per drafter layer (DESIGN.md section 6): None everywhere = full bidirectional attention.
+    layer_types: list[str] | None = None
+    sliding_window: int | None = None
+    is_causal: bool | None = None
+
     # Output / input scaling to match targets that scale embeddings or soft-cap logits.
     output_multiplier: float = 1.0
     final_logit_softcapping: float | None = None
@@ -147,9 +157,9 @@ class DFlash2Config(PreTrainedConfig):
             self.target_hidden_size = self.hidden_size
         if self.target_layer_ids is None:
             self.target_layer_ids = default_target_layer_ids(self.num_target_layers)
-        if self.rope_parameters is None:
+        if self.rope_parameters is None and not any(k in kwargs for k in ("rope_theta", "rope_scaling")):
             self.rope_parameters = {"rope_type": "default", "rope_theta": 100000.0}
-        super().__post_init__(**kwargs)
+        super().__post_init__(**kwargs)  # standardises legacy rope_theta / rope_scaling into rope_parameters
 
     def validate_drafter(self):
         """Checks the drafter's own shapes (called by ``@strict`` on init and save).
@@ -178,6 +188,44 @@ class DFlash2Config(PreTrainedConfig):
             )
         if self.use_candidate_selector and not 1 <= self.selector_top_k <= self.vocab_size:
             raise ValueError(f"selector_top_k={self.selector_top_k} must be in [1, vocab_size].")
+        if self.final_logit_softcapping is not None and self.final_logit_softcapping < 0:
+            raise ValueError(f"final_logit_softcapping={self.final_logit_softcapping} must be positive (0/None = off).")
+        self._validate_rope()
+        self._validate_attention()
+
+    def _validate_rope(self):
+        rope = self.rope_parameters or {}
+        nested = sorted(k for k, v in rope.items() if isinstance(v, dict))
+        if nested:
+            raise ValueError(
+                f"rope_parameters holds per-layer-type dicts {nested}: the drafter applies one rope to every layer; "
+                "give a single rope dict."
+            )
+        rope_type = rope.get("rope_type")
+        if rope_type != "default" and rope_type not in ROPE_INIT_FUNCTIONS:
+            raise ValueError(
+                f"Unknown rope type {rope_type!r} in rope_parameters (or rope_scaling); transformers builds "
+                f"{sorted(['default', *ROPE_INIT_FUNCTIONS])}."
+            )
+
+    def _validate_attention(self):
+        if self.layer_types is not None:
+            if len(self.layer_types) != self.num_hidden_layers:
+                raise ValueError(
+                    f"layer_types has {len(self.layer_types)} entries for num_hidden_layers={self.num_hidden_layers}: "
+                    "give one per drafter layer."
+                )
+            bad = sorted({t for t in self.layer_types if t not in LAYER_TYPES})
+            if bad:
+                raise ValueError(f"layer_types {bad} are not supported by the drafter; use {list(LAYER_TYPES)}.")
+        if self.sliding_window is not None:
+            if isinstance(self.sliding_window, bool) or self.sliding_window < 1:
+                raise ValueError(f"sliding_window must be a positive number of positions, got {self.sliding_window!r}.")
+            if SLIDING_ATTENTION not in (self.layer_types or ()):
+                raise ValueError(
+                    f"sliding_window={self.sliding_window} is set but no layer is a sliding one: set layer_types, "
+                    f"e.g. {[SLIDING_ATTENTION] * self.num_hidden_layers}."
+                )
 
     @property
     def num_draft_tokens(self) -> int:
@@ -197,51 +245,18 @@ class DFlash2Config(PreTrainedConfig):
 
         v1 (``DFlashDraftModel``) when both the convolution and the selector are off, else v2.
         """
-        flat = self.to_dict()
-        dflash = {k: flat[k] for k in PUBLISHED_DFLASH_KEYS}
-        if not self.use_local_conv:
-            dflash.pop("conv_kernel_size"), dflash.pop("conv_group_size")
-        if not self.use_candidate_selector:
-            dflash.pop("selector_rank"), dflash.pop("selector_top_k")
-        v2 = self.use_local_conv or self.use_candidate_selector
-        # local path and classification-head labels mean nothing in a published drafter config
-        skip = set(PUBLISHED_DFLASH_KEYS) | {"use_local_conv", "use_candidate_selector", "architectures", "model_type",
-                                            "_name_or_path", "id2label", "label2id"}
-        out = {k: v for k, v in flat.items() if k not in skip}
-        out.update(
-            model_type="qwen3",
-            architectures=["DFlash2DraftModel" if v2 else "DFlashDraftModel"],
-            dflash_config=dflash,
-        )
-        return out
+        return to_published(self.to_dict(), self.use_local_conv, self.use_candidate_selector)
 
     @staticmethod
     def translate_published(config_dict: dict[str, Any]) -> dict[str, Any]:
-        """Translates a published-format config dict (DESIGN.md section 6) into our flat field names.
+        """Translates a published-format config dict into our flat field names (:func:`dflash2_hf.published.
+        translate_published`, DESIGN.md section 6).
 
         Raises:
-            ValueError: the dict names an architecture we do not know, or lacks ``num_target_layers``.
+            ValueError: an unknown architecture, no ``num_target_layers`` / ``mask_token_id``, a field we do not
+                implement, or contradicting ``is_causal`` / ``dflash_config.causal``.
         """
-        config_dict = dict(config_dict)
-        dflash = dict(config_dict.pop("dflash_config"))
-        architectures = config_dict.get("architectures") or ["DFlash2DraftModel"]
-        version = PUBLISHED_ARCHITECTURES.get(architectures[0])
-        if version is None:
-            raise ValueError(
-                f"Unknown drafter architecture {architectures[0]!r}; expected one of {sorted(PUBLISHED_ARCHITECTURES)}."
-            )
-        if "num_target_layers" not in config_dict:
-            raise ValueError("Published DFlash config lacks `num_target_layers`; add the target's layer count.")
-        out = {k: v for k, v in config_dict.items() if k in DFlash2Config.__dataclass_fields__}
-        # Qwen3-only fields that our config does not carry are dropped above; `model_type` becomes ours.
-        out.pop("model_type", None)
-        for key in PUBLISHED_DFLASH_KEYS:
-            if dflash.get(key) is not None:
-                out[key] = dflash[key]
-        out["use_local_conv"] = version == 2 and "conv_kernel_size" in dflash
-        out["use_candidate_selector"] = version == 2 and "selector_rank" in dflash
-        out["architectures"] = ["DFlash2DraftModel"]
-        return out
+        return translate_published(config_dict, set(DFlash2Config.__dataclass_fields__))
 
 
-__all__ = ["DFlash2Config", "default_target_layer_ids"]
+__all__ = ["DFlash2Config", "default_target_layer_ids", "published_target_layer_ids"]

@@ -7,7 +7,8 @@ One forward pass fills a whole block ``[anchor, MASK x (B-1)]``:
 
 * the target's hidden states of ``target_layer_ids`` (the *context features*) are fused by ``fc`` + ``hidden_norm``
   and injected as extra keys/values into every drafter layer (queries come from the block only);
-* the block attends to all cached context and bidirectionally to itself;
+* the block attends to all cached context and bidirectionally to itself, unless the config makes layers causal
+  and/or gives them a sliding window (``layer_types``, ``sliding_window``, ``is_causal``; :mod:`.masking`);
 * a two-tap grouped dynamic causal convolution wraps each sublayer (``attention_conv``, ``mlp_conv``);
 * the final hidden state goes through the TARGET's LM head (the drafter owns no embedding table nor LM head), and
   the :class:`CandidateSelector` turns the top-k candidates per position into one path.
@@ -28,13 +29,14 @@ import torch.nn.functional as F
 from safetensors import SafetensorError
 from torch import nn
 from transformers import GenerationConfig, PreTrainedModel, initialization as init
-from transformers.cache_utils import Cache, DynamicCache
+from transformers.cache_utils import Cache
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half
 from transformers.utils import ModelOutput, logging
 
 from .configuration_dflash2 import DFlash2Config
 from .errors import CheckpointError, DrafterTargetMismatchError
 from .integrity import digest_mismatch, weights_digest
+from .masking import AttentionMasks, drafter_cache, layer_attention
 
 logger = logging.get_logger(__name__)
 
@@ -99,7 +101,7 @@ class DFlash2Attention(nn.Module):
         self.q_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.k_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
 
-    def forward(self, hidden_states, context, cos, sin, attention_mask=None, cache: Cache | None = None):
+    def forward(self, hidden_states, context, cos, sin, masks: AttentionMasks, cache: Cache | None = None):
         b, q_len, _ = hidden_states.shape
         q = self.q_norm(self.q_proj(hidden_states).view(b, q_len, -1, self.head_dim)).transpose(1, 2)
         kv_in = torch.cat([context, hidden_states], dim=1)
@@ -109,9 +111,9 @@ class DFlash2Attention(nn.Module):
         q = _rotate(q, cos[:, -q_len:], sin[:, -q_len:])
         k = _rotate(k, cos, sin)
         if cache is not None:
-            k, v = cache.update(k, v, self.layer_idx)
+            k, v = cache.update(k, v, self.layer_idx)  # a windowed layer returns only its last keys
         out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=attention_mask, scale=self.scaling, enable_gqa=self.num_heads != self.num_kv_heads
+            q, k, v, attn_mask=masks.for_layer(self.layer_idx, k.shape[2]), scale=self.scaling, enable_gqa=self.num_heads != self.num_kv_heads
         )
         return self.o_proj(out.transpose(1, 2).reshape(b, q_len, -1))
 
@@ -144,10 +146,10 @@ class DFlash2DecoderLayer(nn.Module):
         y = fn(conv.mix(blocks, dynamic, 0).view(shape))
         return conv.mix(y.reshape(blocks.shape), dynamic, 1).view(shape)
 
-    def forward(self, hidden_states, context, cos, sin, attention_mask=None, cache=None):
+    def forward(self, hidden_states, context, cos, sin, masks: AttentionMasks, cache=None):
         x = self.input_layernorm(hidden_states)
         hidden_states = hidden_states + self._sublayer(
-            self.attention_conv, x, lambda h: self.self_attn(h, context, cos, sin, attention_mask, cache)
+            self.attention_conv, x, lambda h: self.self_attn(h, context, cos, sin, masks, cache)
         )
         x = self.post_attention_layernorm(hidden_states)
         return hidden_states + self._sublayer(self.mlp_conv, x, self.mlp)
@@ -265,6 +267,7 @@ class DFlash2DraftModel(DFlash2PreTrainedModel):
         self.layers = nn.ModuleList(DFlash2DecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = Qwen3RotaryEmbedding(config)
+        self.layer_rules = layer_attention(config)  # causal / sliding-window rule per layer (dflash2_hf.masking)
         self.candidate_selector = CandidateSelector(config) if config.use_candidate_selector else None
         if config.draft_vocab_size:
             self.register_buffer("draft_vocab_ids", torch.arange(config.draft_vocab_size), persistent=True)
@@ -304,9 +307,12 @@ class DFlash2DraftModel(DFlash2PreTrainedModel):
                 ``past .. past + C + Q - 1``.
             attention_mask: optional; a boolean ``(batch, 1, Q, K)`` mask (True = attend) over all keys ``K`` (cached
                 + new context + block), used for training many blocks per sequence, or a 2-D ``(batch, K)`` padding
-                mask of 0/1.
-            cache: a ``transformers`` ``Cache``; the new context and the block keys/values are appended (the caller
-                crops the ``Q`` block entries after the pass).
+                mask of 0/1. Either is combined with each layer's causal / sliding-window rule
+                (:mod:`dflash2_hf.masking`), which reads the absolute ``position_ids``.
+            cache: a ``transformers`` ``Cache`` holding the positions right before the new ones (for windowed layers
+                use :func:`dflash2_hf.masking.drafter_cache`, which can roll back across the window edge); the new
+                context and the block keys/values are appended (the caller crops the ``Q`` block entries after the
+                pass). ``use_cache=True`` without one creates it.
 
         Returns:
             :class:`DFlash2DrafterOutput` with ``last_hidden_state`` ``(batch, Q, H)`` (after the final norm), in
@@ -318,7 +324,7 @@ class DFlash2DraftModel(DFlash2PreTrainedModel):
         """
         cache = cache if cache is not None else past_key_values
         if use_cache and cache is None:
-            cache = DynamicCache(config=self.config)
+            cache = drafter_cache(self.config)
         b, q_len, _ = noise_embeds.shape
         if self.config.use_local_conv and q_len % self.config.block_size:
             raise ValueError(f"The block length {q_len} is not a multiple of block_size={self.config.block_size}.")
@@ -339,8 +345,9 @@ class DFlash2DraftModel(DFlash2PreTrainedModel):
         cos, sin = self.rotary_emb(hidden, position_ids)
         if attention_mask is not None and attention_mask.dim() == 2:
             attention_mask = None if bool(attention_mask.all()) else attention_mask[:, None, None, :].bool()
+        masks = AttentionMasks(self.layer_rules, position_ids.to(hidden.device), q_len, attention_mask)
         for layer in self.layers:
-            hidden = layer(hidden, context, cos, sin, attention_mask, cache)
+            hidden = layer(hidden, context, cos, sin, masks, cache)
         # hand back the caller's dtype: transformers' built-in DFlash path feeds it straight into the target LM head
         return DFlash2DrafterOutput(last_hidden_state=self.norm(hidden).to(noise_embeds.dtype), cache=cache)
 

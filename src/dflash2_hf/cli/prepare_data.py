@@ -56,6 +56,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--skip-records-in", action="append", default=[], metavar="DATASET",
                         help="a dataset folder of `dflash2 export-data` (e.g. the committed one): its records, kept or "
                              "skipped, are not regenerated again (repeatable)")
+    parser.add_argument("--original-answers", action="store_true",
+                        help="keep ShareGPT's own assistant turns instead of regenerating them (no generation: seconds "
+                             "for thousands of records); conversations are cut at --max-prompt-tokens tokens. Train on "
+                             "them with `dflash2 train --target-labels` (labels = the target's own greedy tokens)")
     parser.add_argument("--note", default=None, help="free text stored in meta.json")
     parser.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
     add_device_argument(parser, "the target's regeneration")
@@ -72,6 +76,14 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.num_threads)
     dtype = getattr(torch, _DTYPES[args.dtype])
     model, tokenizer = load_target(args.target, dtype=dtype, device=resolve_device(args.device))
+    if args.original_answers:
+        from ..data.original import prepare_original
+
+        counts = prepare_original(model, tokenizer, args.out, start=args.start, stop=args.stop,
+                                  max_tokens=args.max_prompt_tokens, target_name=args.target, source_path=args.source,
+                                  shard_size=args.shard_size)
+        print(json.dumps(counts, indent=2, default=str))
+        return 0 if counts.get("kept") else 1
     note = args.note
     if dtype != torch.float32 and not note:
         note = f"generated in {args.dtype}: greedy output can differ from float32 serving"

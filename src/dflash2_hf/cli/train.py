@@ -73,6 +73,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--selector-rank", type=int, default=None)
     g.add_argument("--no-conv", action="store_true", help="fresh drafter without the local convolutions")
     g.add_argument("--no-selector", action="store_true", help="fresh drafter without the candidate selector")
+    g.add_argument("--layer-types", default=None, metavar="TYPES",
+                   help="fresh drafter: attention per layer, comma-separated full / sliding (one value: every layer; "
+                        "default: every layer full)")
+    g.add_argument("--sliding-window", type=int, default=None, metavar="N",
+                   help="fresh drafter: window of the sliding layers, in positions")
+    g.add_argument("--causal", choices=["auto", "yes", "no"], default="auto",
+                   help="fresh drafter: every layer causal (yes), bidirectional (no), or sliding layers causal and "
+                        "full ones bidirectional (auto, the published DFlash rule)")
     g.add_argument("--init-layers-from-target", choices=["first", "last", "spread"], default=None,
                    help="fresh drafter: copy these target decoder layers into the drafter layers")
     g.add_argument("--init-norm", type=float, default=None,
@@ -177,6 +185,19 @@ def last_complete_checkpoint(output: str) -> str | None:
     return None
 
 
+def attention_overrides(args: argparse.Namespace) -> dict:
+    """``layer_types`` / ``sliding_window`` / ``is_causal`` of a fresh drafter from ``--layer-types``,
+    ``--sliding-window`` and ``--causal`` (only those given); raises ValueError for bad layer types."""
+    from ..masking import parse_layer_types
+
+    out = {"layer_types": parse_layer_types(args.layer_types, args.num_layers)} if args.layer_types else {}
+    if args.sliding_window is not None:
+        out["sliding_window"] = args.sliding_window
+    if args.causal != "auto":
+        out["is_causal"] = args.causal == "yes"
+    return out
+
+
 def build_drafter(args: argparse.Namespace, target, resume_from: str | None):
     """The drafter to train: the resumed checkpoint's, ``--init``'s, or a fresh one sized for the target."""
     import torch
@@ -201,6 +222,7 @@ def build_drafter(args: argparse.Namespace, target, resume_from: str | None):
             overrides["use_local_conv"] = False
         if args.no_selector:
             overrides["use_candidate_selector"] = False
+        overrides.update(attention_overrides(args))
         drafter = DFlash2DraftModel.from_target(target, **overrides)
         from ..training import initialize_from_target
 

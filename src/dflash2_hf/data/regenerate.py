@@ -102,12 +102,13 @@ class _Skip(Exception):
 # ----------------------------------------------------------------------------------------------- conversation
 
 
-def conversation_turns(record: dict, max_turns: int) -> tuple[str | None, list[str]]:
+def conversation_turns(record: dict, max_turns: int, with_answers: bool = False):
     """``(system text or None, [human turn texts])`` usable from a ShareGPT record, at most ``max_turns`` humans.
 
     Leading system turns become the system message; leading ``gpt`` turns (a conversation split mid-way) are
     dropped; then human turns are taken while turns alternate human / gpt. Raises ``_Skip(reason)`` for bad
-    records (see :data:`SKIP_REASONS`).
+    records (see :data:`SKIP_REASONS`). ``with_answers``: a third item, the record's own answer after each kept
+    human turn (``[str]``, one shorter when the conversation ends on a human turn).
     """
     # ShareGPT {"conversations": [{"from", "value"}]}, or the chat form {"messages": [{"role", "content"}]}
     convs = (record.get("conversations", record.get("messages"))) if isinstance(record, dict) else None
@@ -131,7 +132,7 @@ def conversation_turns(record: dict, max_turns: int) -> tuple[str | None, list[s
         i += 1
     if i >= len(convs):
         raise _Skip("no_human_turn")
-    humans = []
+    humans, answers = [], []
     expect = "human"
     for turn in convs[i:]:
         if turn["from"] != expect or len(humans) >= max_turns and expect == "human":
@@ -142,9 +143,11 @@ def conversation_turns(record: dict, max_turns: int) -> tuple[str | None, list[s
                     raise _Skip("empty_turn")
                 break
             humans.append(turn["value"])
+        else:
+            answers.append(turn["value"])
         expect = "gpt" if expect == "human" else "human"
     system = "\n\n".join(s for s in systems if s.strip()) or None
-    return system, humans
+    return (system, humans, answers) if with_answers else (system, humans)
 
 
 def _messages(system: str | None, humans: list[str], answers: list[str], upto: int, with_answer: bool) -> list:

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import torch
 from transformers import PreTrainedModel
-from transformers.cache_utils import DynamicCache
 
+from ..masking import drafter_cache
 from .stats import GenerationStats, timed
 
 
@@ -152,7 +152,7 @@ class DFlash2CandidateGenerator:
         self.temperature = temperature
         self.stats = stats
         self.device = drafter.device
-        self.cache = DynamicCache()
+        self.cache = drafter_cache(config)  # windowed layers keep their last keys and can roll back
         self.context_positions = 0  # positions whose context features are in the drafter cache or pending
         self.pending: list[torch.Tensor] = []
         self.mask_ids = torch.full((1, self.block_size - 1), config.mask_token_id, dtype=torch.long, device=self.device)

@@ -15,7 +15,8 @@ class GenerationStats:
         block_size: the drafter's ``B`` (``B - 1`` drafts per cycle at most).
         acceptance_lengths: per verification cycle, tokens emitted = accepted drafts + 1 bonus token (after any
             stop inside the block); the prefill step is not a cycle.
-        accepted_drafts: per cycle, drafts the target accepted (before a stop condition truncated the block).
+        accepted_drafts: per cycle, drafts the target accepted among the emitted tokens (a stop inside the block
+            ends the count there: nothing past a stop is verified, as plain decoding would not look at it).
         draft_lengths: per cycle, drafts proposed (``B - 1`` except near ``max_length``, or fewer when
             ``num_assistant_tokens`` / ``assistant_confidence_threshold`` limit them).
         new_tokens: tokens generated in total (prefill's first token included).

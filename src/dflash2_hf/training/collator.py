@@ -12,6 +12,14 @@ slot has no label teaches nothing). Labels: slot 0 is never a label; slot ``j >=
 ``a+j`` is inside the sequence and every position ``a+1 .. a+j`` is a response token, i.e. the labels stop at the
 first non-response position (the end of a turn or of the sequence): serving stops at the end-of-turn token, so
 nothing after it is ever accepted.
+
+Target labels (items with ``target_next``, the target's greedy next token at every position, see
+:class:`~dflash2_hf.training.features.FeatureCache` ``with_next``): slot ``j`` is labelled ``next[a+j-1]``, the
+token the target itself would emit there, and only while the text agrees with the target before it
+(``x_{a+i} == next[a+i-1]`` for ``1 <= i < j``). Every label is then exactly what verification accepts after the
+anchor's context, whoever wrote the text: on the target's own regenerated text the labels are ``x_{a+j}`` again;
+on text written by someone else (original ShareGPT answers) slot 1 always trains and later slots train as far as
+the target would have written the same tokens.
 """
 
 from __future__ import annotations
@@ -50,7 +58,8 @@ def sample_anchors(response_mask: torch.Tensor, num_blocks: int, rng: random.Ran
     return torch.tensor(cand, dtype=torch.long)
 
 
-def block_labels(input_ids: torch.Tensor, response_mask: torch.Tensor, anchors: torch.Tensor, block_size: int):
+def block_labels(input_ids: torch.Tensor, response_mask: torch.Tensor, anchors: torch.Tensor, block_size: int,
+                 target_next: torch.Tensor | None = None):
     """Labels and true predecessors of the blocks of one sequence.
 
     Args:
@@ -58,6 +67,7 @@ def block_labels(input_ids: torch.Tensor, response_mask: torch.Tensor, anchors: 
         response_mask: ``(T,)`` bool.
         anchors: ``(N,)`` int64 anchor positions.
         block_size: ``B``.
+        target_next: optional ``(T,)`` int64 greedy next tokens of the target: target labels (module docstring).
 
     Returns:
         ``(labels, predecessors)``, each ``(N, B)`` int64: ``labels[n, j] = x_{a_n + j}`` for valid slots ``j >= 1``
@@ -72,9 +82,16 @@ def block_labels(input_ids: torch.Tensor, response_mask: torch.Tensor, anchors: 
     pos_c = pos.clamp(max=T - 1)
     resp = response_mask.bool()[pos_c] & inside
     resp[:, 0] = True  # slot 0 (the anchor) does not break the chain; it is never a label itself
+    if target_next is None:
+        truth = input_ids[pos_c]
+    else:
+        truth = target_next[(pos_c - 1).clamp(min=0)]  # what the target emits at a+j given the text before it
+        agree = torch.ones_like(resp)
+        agree[:, 2:] = (input_ids[pos_c] == truth)[:, 1:-1]  # slot j needs x_{a+i} == next[a+i-1], 1 <= i < j
+        resp &= torch.cumprod(agree.long(), dim=1).bool()
     ok = torch.cumprod(resp.long(), dim=1).bool()
     ok[:, 0] = False
-    labels = torch.where(ok, input_ids[pos_c], torch.full((n, block_size), IGNORE_INDEX, dtype=torch.long))
+    labels = torch.where(ok, truth, torch.full((n, block_size), IGNORE_INDEX, dtype=torch.long))
     prev = input_ids[(pos_c - 1).clamp(min=0)]
     predecessors = torch.where(ok, prev, torch.zeros_like(prev))
     return labels, predecessors
@@ -125,6 +142,7 @@ class BlockCollator:
         ids = torch.as_tensor(item["input_ids"], dtype=torch.long).flatten()
         mask = torch.as_tensor(item["response_mask"]).flatten().bool()
         feats = item["context_hidden_states"]
+        nxt = item.get("target_next")
         if mask.shape != ids.shape:
             raise ValueError(f"response_mask has {mask.numel()} entries for {ids.numel()} input_ids")
         if feats.shape[0] < ids.shape[0]:
@@ -132,20 +150,24 @@ class BlockCollator:
             ids, mask = ids[: feats.shape[0]], mask[: feats.shape[0]]
         if self.max_length is not None and ids.shape[0] > self.max_length:
             ids, mask = ids[: self.max_length], mask[: self.max_length]
-        return ids, mask, feats[: ids.shape[0]]
+        if nxt is not None:
+            nxt = torch.as_tensor(nxt, dtype=torch.long).flatten()[: ids.shape[0]]
+            if nxt.shape != ids.shape:
+                raise ValueError(f"target_next has {nxt.numel()} entries for {ids.numel()} input_ids")
+        return ids, mask, feats[: ids.shape[0]], nxt
 
     def __call__(self, items: list[dict]) -> dict[str, torch.Tensor]:
         B = self.block_size
         prepared = []
         for item in items:
-            ids, mask, feats = self._prepare(item)
+            ids, mask, feats, nxt = self._prepare(item)
             anchors = sample_anchors(mask, self.num_blocks, self.rng)
             if anchors.numel() == 0 and self.drop_empty and len(items) > 1:
                 continue
-            prepared.append((ids, mask, feats, anchors))
+            prepared.append((ids, mask, feats, anchors, nxt))
         if not prepared:  # every item lacked anchors: keep the first with one padding block (no labels)
-            ids, mask, feats = self._prepare(items[0])
-            prepared.append((ids, mask, feats, torch.zeros(0, dtype=torch.long)))
+            ids, mask, feats, nxt = self._prepare(items[0])
+            prepared.append((ids, mask, feats, torch.zeros(0, dtype=torch.long), nxt))
         b = len(prepared)
         T = max(p[0].shape[0] for p in prepared)
         N = max(1, max(p[3].shape[0] for p in prepared))
@@ -165,7 +187,7 @@ class BlockCollator:
         same_block = slot_block[:, None] == slot_block[None, :]  # (Q, Q)
         offs = torch.arange(B)
         ctx_cols = torch.arange(T)
-        for r, (ids, mask, feats, anchors) in enumerate(prepared):
+        for r, (ids, mask, feats, anchors, nxt) in enumerate(prepared):
             L, n = ids.shape[0], anchors.shape[0]
             ctx[r, :L] = feats
             pos[r, :T] = torch.arange(T)
@@ -177,7 +199,7 @@ class BlockCollator:
             if n:
                 anchors_out[r, :n] = anchors
                 block_ids[r, : n * B : B] = ids[anchors]
-                lab, prv = block_labels(ids, mask, anchors, B)
+                lab, prv = block_labels(ids, mask, anchors, B, target_next=nxt)
                 labels[r, : n * B] = lab.flatten()
                 preds[r, : n * B] = prv.flatten()
         return {

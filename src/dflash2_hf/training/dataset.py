@@ -83,7 +83,8 @@ class FeatureDataset(Dataset):
     Records the cache lacks (or holds for other tokens) are left out; :attr:`skipped` counts them.
     Items (what :class:`~dflash2_hf.training.collator.BlockCollator` takes): ``record_id`` int, ``input_ids``
     ``(L,)`` int64, ``response_mask`` ``(L,)`` bool, ``context_hidden_states`` ``(L, n*H_t)`` bfloat16 (read from
-    disk on access), where ``L`` is the cached length.
+    disk on access), where ``L`` is the cached length; ``target_next`` ``(L,)`` int64 (the target's greedy next
+    token at each position) when the cache stores it.
     """
 
     def __init__(self, records: Sequence[dict], cache: FeatureCache, max_length: int | None = None):
@@ -119,12 +120,15 @@ class FeatureDataset(Dataset):
         rec = self.records[i]
         feats = self.cache.get(rec["record_id"])
         L = feats.shape[0]
-        return {
+        item = {
             "record_id": rec["record_id"],
             "input_ids": torch.tensor(rec["input_ids"][:L], dtype=torch.long),
             "response_mask": torch.tensor(rec["response_mask"][:L], dtype=torch.bool),
             "context_hidden_states": feats,
         }
+        if self.cache.with_next:
+            item["target_next"] = self.cache.get_next(rec["record_id"])
+        return item
 
 
 __all__ = ["FeatureDataset", "load_training_records", "normalize_record"]

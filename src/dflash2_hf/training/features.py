@@ -67,21 +67,24 @@ def target_features(
     input_ids: torch.LongTensor,
     layer_ids: Sequence[int],
     attention_mask: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Concatenated hidden states of ``layer_ids`` for ``input_ids``.
+    with_next: bool = False,
+):
+    """Concatenated hidden states of ``layer_ids`` for ``input_ids`` (and the target's greedy next tokens).
 
     Equivalent to ``torch.cat([out.hidden_states[i + 1] for i in layer_ids], -1)`` of a forward with
-    ``output_hidden_states=True``, but runs the decoder only up to the deepest needed layer (no later layers, no
-    final norm, no LM head).
+    ``output_hidden_states=True``; without ``with_next`` the decoder runs only up to the deepest needed layer (no
+    later layers, no final norm, no LM head).
 
     Args:
         target: a ``transformers`` causal LM (or its decoder).
         input_ids: ``(b, T)`` int64.
         layer_ids: 0-based decoder layer indices.
         attention_mask: optional ``(b, T)`` 0/1 padding mask.
+        with_next: also run the rest of the target and return its argmax next token at every position.
 
     Returns:
-        ``(b, T, len(layer_ids) * H_t)`` in the target's dtype.
+        ``(b, T, len(layer_ids) * H_t)`` in the target's dtype; with ``with_next`` a tuple of that and ``(b, T)``
+        int64 ``argmax logits[t]`` (the target's greedy choice for position ``t + 1``).
 
     Raises:
         ValueError: a layer id is outside the target's layers.
@@ -95,27 +98,32 @@ def target_features(
     def make_hook(i):
         def hook(_module, _inputs, output):
             captured[i] = output[0] if isinstance(output, tuple) else output
-            if i == last:
+            if i == last and not with_next:
                 raise _StopForward
 
         return hook
 
     handles = [layers[i].register_forward_hook(make_hook(i)) for i in sorted(set(layer_ids))]
     decoder = target.get_decoder() if hasattr(target, "get_decoder") else target
+    next_ids = None
     try:
-        decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        if with_next:
+            next_ids = target(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits.argmax(-1)
+        else:
+            decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
     except _StopForward:
         pass
     finally:
         for h in handles:
             h.remove()
-    return torch.cat([captured[i] for i in layer_ids], dim=-1)
+    feats = torch.cat([captured[i] for i in layer_ids], dim=-1)
+    return (feats, next_ids) if with_next else feats
 
 
-def cache_key(target_name: str, layer_ids: Sequence[int]) -> str:
-    """Folder name of a cache: the target name (slugged) and the layer ids."""
+def cache_key(target_name: str, layer_ids: Sequence[int], with_next: bool = False) -> str:
+    """Folder name of a cache: the target name (slugged), the layer ids, ``__next`` when it stores greedy labels."""
     slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", str(target_name).strip("/")).strip("_") or "target"
-    return f"{slug}__layers-{'-'.join(str(int(i)) for i in layer_ids)}"
+    return f"{slug}__layers-{'-'.join(str(int(i)) for i in layer_ids)}" + ("__next" if with_next else "")
 
 
 def feature_length(input_ids: Sequence[int], response_mask: Sequence[int], max_length: int | None) -> int:
@@ -140,14 +148,17 @@ class FeatureCache:
         root: parent folder (e.g. ``<data_dir>/features``); the cache lives in ``root / cache_key(...)``.
         target_name: the target's name (``"smollm2"`` or a path / Hub id).
         layer_ids: ``target_layer_ids`` of the drafter.
+        with_next: also store the target's greedy next token at every position (``"<record_id>.next"``, int32;
+            :meth:`get_next`): training labels that are the target's own choices whatever wrote the text.
 
     Use :meth:`build` to compute what is missing and :meth:`get` to read ``(L, n*H_t)`` bfloat16 features.
     """
 
-    def __init__(self, root: str | os.PathLike, target_name: str, layer_ids: Sequence[int]):
+    def __init__(self, root: str | os.PathLike, target_name: str, layer_ids: Sequence[int], with_next: bool = False):
         self.layer_ids = [int(i) for i in layer_ids]
         self.target_name = str(target_name)
-        self.dir = Path(root) / cache_key(target_name, self.layer_ids)
+        self.with_next = bool(with_next)
+        self.dir = Path(root) / cache_key(target_name, self.layer_ids, self.with_next)
         self._index: dict[int, tuple[Path, int]] = {}
         self._handles: dict[Path, object] = {}
         self.refresh()
@@ -175,7 +186,7 @@ class FeatureCache:
         for path in self.shards():
             with safe_open(str(path), framework="pt") as f:
                 for name in f.keys():
-                    if not name.endswith(".ids"):
+                    if "." not in name:
                         self._index[int(name)] = (path, f.get_slice(name).get_shape()[0])
 
     def __contains__(self, record_id: int) -> bool:
@@ -210,6 +221,13 @@ class FeatureCache:
         path, _ = self._index[int(record_id)]
         return self._handle(path).get_tensor(f"{int(record_id)}.ids").long()
 
+    def get_next(self, record_id: int) -> torch.Tensor:
+        """``(L,)`` int64 greedy next tokens of the target at each position. Raises KeyError if not stored."""
+        if not self.with_next:
+            raise KeyError(f"{self.dir} stores no greedy next tokens (built without with_next)")
+        path, _ = self._index[int(record_id)]
+        return self._handle(path).get_tensor(f"{int(record_id)}.next").long()
+
     def missing(self, records: Iterable[dict], max_length: int | None) -> list[dict]:
         """Records (dicts with ``record_id``, ``input_ids``, ``response_mask``) whose features must be computed.
 
@@ -240,11 +258,12 @@ class FeatureCache:
             "num_hidden_layers": tc.num_hidden_layers,
             "vocab_size": tc.vocab_size,
             "layer_ids": self.layer_ids,
+            "with_next": self.with_next,
         }
         meta = self.meta
         if meta:
             for k, v in ident.items():
-                if meta.get("target", {}).get(k) != v:
+                if meta.get("target", {}).get(k, False if k == "with_next" else None) != v:
                     raise ValueError(
                         f"The feature cache {self.dir} was built for {k}={meta.get('target', {}).get(k)!r}, not {v!r}: "
                         "use another --features-dir or delete that folder."
@@ -330,16 +349,19 @@ class FeatureCache:
         try:
             for rec, n in zip(todo, lengths):
                 ids = torch.tensor([list(rec["input_ids"][:n])], dtype=torch.long, device=device)
-                feats = target_features(target, ids, self.layer_ids)[0]
+                feats = target_features(target, ids, self.layer_ids, with_next=self.with_next)
                 rid = int(rec["record_id"])
-                pending[str(rid)] = feats.to(STORAGE_DTYPE).contiguous().cpu()
+                if self.with_next:
+                    feats, nxt = feats
+                    pending[f"{rid}.next"] = nxt[0].to(torch.int32).cpu()
+                pending[str(rid)] = feats[0].to(STORAGE_DTYPE).contiguous().cpu()
                 pending[f"{rid}.ids"] = ids[0].to(torch.int32).cpu()
                 done_tokens += n
                 done_records += 1
                 bar.update(n)
                 last = done_records == len(todo)
                 over = time_budget_s is not None and time.time() - t0 > time_budget_s
-                if len(pending) >= 2 * shard_records or last or over:
+                if len(pending) >= (3 if self.with_next else 2) * shard_records or last or over:
                     batch, pending = pending, {}
                     self._write_shard(batch, save_file)
                     if over and not last:
