@@ -125,6 +125,8 @@ class DFlash2CandidateGenerator:
             (:func:`path_confidence`: the selector's probability of the step over the top-k, or the top-k softmax
             without the selector) is below this value (:func:`confident_prefix`); ``None`` proposes every requested
             draft.
+        position_offset: the anchor's drafter position minus its index in ``input_ids``: the prompt positions
+            ``input_ids`` lacks (an ``inputs_embeds`` prompt) minus the padding kept out of the context.
     """
 
     def __init__(
@@ -136,8 +138,10 @@ class DFlash2CandidateGenerator:
         use_selector: bool,
         stats: GenerationStats,
         confidence_threshold: float | None = None,
+        position_offset: int = 0,
     ):
         self.drafter = drafter
+        self.position_offset = position_offset
         self.confidence_threshold = confidence_threshold
         config = drafter.config
         self.block_size = config.block_size
@@ -157,14 +161,20 @@ class DFlash2CandidateGenerator:
         self.pending: list[torch.Tensor] = []
         self.mask_ids = torch.full((1, self.block_size - 1), config.mask_token_id, dtype=torch.long, device=self.device)
 
-    def add_context(self, hidden_states: tuple[torch.Tensor, ...], num_tokens: int) -> None:
+    def add_context(
+        self, hidden_states: tuple[torch.Tensor, ...], num_tokens: int, keep: torch.Tensor | None = None
+    ) -> None:
         """Queues the target hidden states of the first ``num_tokens`` positions of the last target forward.
 
         ``hidden_states`` is the target output's tuple (index 0 = embeddings); only ``target_layer_ids`` are read.
+        ``keep``: optional ``(num_tokens,)`` bool, the positions to queue (the prompt's unpadded ones); the drafter
+        numbers the kept positions consecutively, as the target's mask-derived position ids do.
         """
         features = torch.cat([hidden_states[i][:, :num_tokens] for i in self.hidden_layer_indices], dim=-1)
+        if keep is not None:
+            features = features[:, keep.to(features.device)]
         self.pending.append(features.to(self.device))
-        self.context_positions += num_tokens
+        self.context_positions += features.shape[1]
 
     @torch.no_grad()
     def propose(self, input_ids: torch.LongTensor, num_drafts: int) -> DraftProposal:
@@ -175,7 +185,7 @@ class DFlash2CandidateGenerator:
         Raises:
             RuntimeError: the queued context does not end right before the anchor (a loop bookkeeping bug).
         """
-        anchor_pos = input_ids.shape[1] - 1
+        anchor_pos = self.position_offset + input_ids.shape[1] - 1
         if self.context_positions != anchor_pos:
             raise RuntimeError(
                 f"Drafter context covers {self.context_positions} positions but the anchor sits at {anchor_pos}."
