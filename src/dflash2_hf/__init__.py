@@ -13,6 +13,7 @@ from .errors import (
     CheckpointError,
     DFlash2Error,
     DrafterTargetMismatchError,
+    TargetConfigError,
     UnsupportedGenerationError,
     UnsupportedTransformersVersionError,
 )
@@ -34,6 +35,7 @@ __all__ = [
     "DrafterTargetMismatchError",
     "GenerationStats",
     "GroupedDynamicCausalConv",
+    "TargetConfigError",
     "UnsupportedGenerationError",
     "UnsupportedTransformersVersionError",
     "default_target_layer_ids",

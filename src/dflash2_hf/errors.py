@@ -9,6 +9,10 @@ class DrafterTargetMismatchError(DFlash2Error, ValueError):
     """The drafter was built for another target (hidden size, vocabulary or layer count differ)."""
 
 
+class TargetConfigError(DFlash2Error, ValueError):
+    """The target's config lacks a size a drafter needs (under every name its architecture family uses)."""
+
+
 class CheckpointError(DFlash2Error, OSError):
     """A drafter checkpoint is truncated, corrupt, or does not match its config."""
 

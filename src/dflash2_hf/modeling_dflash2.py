@@ -34,9 +34,10 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwe
 from transformers.utils import ModelOutput, logging
 
 from .configuration_dflash2 import DFlash2Config
-from .errors import CheckpointError, DrafterTargetMismatchError
+from .errors import CheckpointError, DrafterTargetMismatchError, TargetConfigError
 from .integrity import digest_mismatch, weights_digest
 from .masking import AttentionMasks, drafter_cache, layer_attention
+from .target_config import drafter_sizes, lookup, target_hidden_size, text_config
 
 logger = logging.get_logger(__name__)
 
@@ -408,14 +409,16 @@ class DFlash2DraftModel(DFlash2PreTrainedModel):
 
         Checks the hidden size, vocabulary size and layer count of ``target`` against the drafter config.
         """
-        tc = target.config.get_text_config()
+        tc = text_config(target)
         problems = []
-        if tc.hidden_size != self.config.target_hidden_size:
-            problems.append(f"hidden size {tc.hidden_size} != drafter's target_hidden_size {self.config.target_hidden_size}")
+        hidden = target_hidden_size(tc, fallback=target.get_input_embeddings().weight.shape[1])
+        if hidden != self.config.target_hidden_size:
+            problems.append(f"hidden size {hidden} != drafter's target_hidden_size {self.config.target_hidden_size}")
         vocab = target.get_output_embeddings().weight.shape[0]
         if vocab != self.config.vocab_size:
             problems.append(f"vocabulary {vocab} != drafter's vocab_size {self.config.vocab_size}")
-        layers = tc.num_hidden_layers
+        layers = lookup(tc, "num_target_layers")  # unnamed in the config: from_target took the count as an override
+        layers = self.config.num_target_layers if layers is None else layers
         if layers != self.config.num_target_layers or max(self.config.target_layer_ids) >= layers:
             problems.append(
                 f"{layers} layers, drafter expects num_target_layers={self.config.num_target_layers} "
@@ -438,25 +441,37 @@ class DFlash2DraftModel(DFlash2PreTrainedModel):
         start at the identity, the successor codebook at zero. ``overrides`` set any :class:`DFlash2Config` field
         (e.g. ``num_hidden_layers=5``, ``block_size=16``, ``use_candidate_selector=False``).
 
+        Sizes are read under each architecture's own config names (GPT-2's ``n_inner``, OPT's ``ffn_dim``, ...; see
+        :mod:`dflash2_hf.target_config`), with defaults where one is sensible (MLP width ``4 * H``, no position limit
+        for ALiBi targets); ``overrides`` win over what the target's config says.
+
         Args:
             dtype: the drafter's dtype (default: the target's); its rotary frequencies stay float32 whatever it is,
                 as ``from_pretrained(..., dtype=...)`` leaves them.
 
         Returns:
             a drafter on the target's device.
+
+        Raises:
+            TargetConfigError: the target's config names no attention-head or layer count (pass
+                ``num_attention_heads=`` / ``num_target_layers=``), or its LM head reads another width than its
+                embeddings give.
         """
-        tc = target.config.get_text_config()
-        hidden = tc.hidden_size
-        heads = tc.num_attention_heads
-        vocab = target.get_output_embeddings().weight.shape[0]
-        rope = getattr(tc, "rope_parameters", None) or {"rope_type": "default", "rope_theta": getattr(tc, "rope_theta", 10000.0)}
-        if "full_attention" in rope:  # per-layer-type rope (Gemma3): the drafter attends globally
-            rope = rope["full_attention"]
-        eos = tc.eos_token_id if isinstance(tc.eos_token_id, list) else [tc.eos_token_id]
+        tc = text_config(target)
+        hidden = target.get_input_embeddings().weight.shape[1]  # the block embeddings' width = the drafter's
+        head = target.get_output_embeddings().weight
+        if head.shape[1] != hidden:
+            raise TargetConfigError(
+                f"The target's LM head reads width {head.shape[1]} but its embeddings have width {hidden} (a projection "
+                "between them): a DFlash2 drafter feeds both the same hidden state, so it cannot serve this target."
+            )
+        vocab = head.shape[0]
+        eos = getattr(tc, "eos_token_id", None)
+        eos = eos if isinstance(eos, list) else [eos]
         mask_token_id = next(
             (
                 i
-                for i in (tc.pad_token_id, getattr(tc, "unk_token_id", None))
+                for i in (getattr(tc, "pad_token_id", None), getattr(tc, "unk_token_id", None))
                 if isinstance(i, int) and 0 <= i < vocab and i not in eos
             ),
             vocab - 1,
@@ -465,26 +480,16 @@ class DFlash2DraftModel(DFlash2PreTrainedModel):
         fields = dict(
             vocab_size=vocab,
             hidden_size=hidden,
-            target_hidden_size=hidden,
-            intermediate_size=tc.intermediate_size,
             num_hidden_layers=5,
-            num_attention_heads=heads,
-            num_key_value_heads=getattr(tc, "num_key_value_heads", None) or heads,
-            head_dim=getattr(tc, "head_dim", None) or hidden // heads,
-            hidden_act=getattr(tc, "hidden_act", None) or getattr(tc, "hidden_activation", "silu"),
-            max_position_embeddings=tc.max_position_embeddings,
-            rms_norm_eps=getattr(tc, "rms_norm_eps", 1e-6),
-            rope_parameters=dict(rope),
-            num_target_layers=tc.num_hidden_layers,
             mask_token_id=mask_token_id,
             input_embedding_scale=float(embed_scale),
             final_logit_softcapping=getattr(tc, "final_logit_softcapping", None),
             selector_rank=min(256, max(32, hidden // 8)),
-            eos_token_id=tc.eos_token_id,
-            pad_token_id=tc.pad_token_id,
-            bos_token_id=tc.bos_token_id,
+            eos_token_id=getattr(tc, "eos_token_id", None),
+            pad_token_id=getattr(tc, "pad_token_id", None),
+            bos_token_id=getattr(tc, "bos_token_id", None),
         )
-        fields.update(overrides)
+        fields = drafter_sizes(tc, hidden, {**fields, **overrides})
         if "target_layer_ids" not in overrides:
             fields["target_layer_ids"] = None  # recomputed from num_target_layers
         drafter = cls(DFlash2Config(**fields))

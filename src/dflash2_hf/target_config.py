@@ -1,0 +1,161 @@
+"""Reads a target's sizes from its config, whatever names its architecture uses (for ``from_target``/``check_target``).
+
+Causal LMs name the same quantity differently: GPT-2 ``n_embd``/``n_inner``/``n_positions``, OPT ``ffn_dim``, Falcon
+``ffn_hidden_size`` (or nothing: ``4 * hidden``), Bloom no position limit at all (ALiBi), MPT ``d_model``/
+``max_seq_len``, the decoder of an encoder-decoder family ``decoder_layers``/``decoder_ffn_dim``. Each size is looked
+up under its known names (decoder-specific names first) in ``config.get_text_config()``; a size with a sensible
+default falls back to it, one without raises :class:`TargetConfigError` naming the field and the override that fixes
+it.
+"""
+
+from __future__ import annotations
+
+from transformers.activations import ACT2FN
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from .errors import TargetConfigError
+
+# DFlash2Config field -> the target config names that hold it, most specific first.
+NAMES = {
+    "target_hidden_size": ("hidden_size", "n_embd", "d_model", "model_dim", "embed_dim", "dim"),
+    "num_target_layers": ("decoder_layers", "num_hidden_layers", "n_layer", "n_layers", "num_layers"),
+    "num_attention_heads": ("decoder_attention_heads", "num_attention_heads", "n_head", "n_heads", "num_heads"),
+    "num_key_value_heads": ("num_key_value_heads", "num_kv_heads", "n_head_kv", "multi_query_group_num"),
+    "head_dim": ("head_dim",),
+    "intermediate_size": ("decoder_ffn_dim", "intermediate_size", "ffn_dim", "n_inner", "ffn_hidden_size", "d_ff"),
+    "max_position_embeddings": ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "n_ctx"),
+    "hidden_act": ("hidden_act", "hidden_activation", "activation_function"),
+    "rms_norm_eps": ("rms_norm_eps", "layer_norm_epsilon", "layer_norm_eps", "norm_eps"),
+}
+# No position limit (ALiBi targets such as Bloom, recurrent ones): DFlash2Config's own default.
+DEFAULT_MAX_POSITIONS = 8192
+# Rope keys that change which head dimensions rotate: the drafter rotates its whole head, whatever the target does.
+_TARGET_ONLY_ROPE_KEYS = ("partial_rotary_factor", "mrope_section", "mrope_interleaved")
+
+
+def lookup(config, field: str):
+    """The first of ``NAMES[field]`` that ``config`` sets (not None), else None.
+
+    A name whose lookup raises (per-layer configs that refuse one global value) counts as unset.
+    """
+    for name in NAMES[field]:
+        try:
+            value = getattr(config, name, None)
+        except Exception:  # noqa: BLE001 - e.g. AmbiguousGlobalPerLayerAttributeError
+            value = None
+        if value is not None and not isinstance(value, bool):
+            return value
+    return None
+
+
+def _required(config, field: str, overrides) -> int | None:
+    value = lookup(config, field)
+    if value is None and field not in overrides:
+        raise TargetConfigError(
+            f"The target's config ({type(config).__name__}) sets none of {', '.join(NAMES[field])}, so the drafter's "
+            f"{field} is unknown: pass it, e.g. DFlash2DraftModel.from_target(target, {field}=...)."
+        )
+    return value
+
+
+def text_config(target_or_config):
+    """The text part of a model's (or config's) config: ``get_text_config()`` where it exists."""
+    config = getattr(target_or_config, "config", target_or_config)
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def target_hidden_size(config, fallback: int) -> int:
+    """Width ``H_t`` of the target's hidden states; ``fallback`` (its embedding width) if the config names none."""
+    value = lookup(config, "target_hidden_size")
+    return int(fallback if value is None else value)
+
+
+def drafter_sizes(config, hidden_size: int, overrides: dict | None = None) -> dict:
+    """DFlash2Config fields copied from a target's text ``config`` for a drafter of width ``hidden_size``.
+
+    Args:
+        config: the target's text config (:func:`text_config`).
+        hidden_size: the drafter width ``H`` (the target's embedding width).
+        overrides: DFlash2Config fields the caller sets; they win (and are not required from ``config``), and the
+            defaults derived from them follow them (head dim and key/value heads from an overridden head count).
+
+    Returns:
+        ``target_hidden_size``, ``num_target_layers``, ``num_attention_heads``, ``num_key_value_heads``,
+        ``head_dim``, ``intermediate_size``, ``max_position_embeddings``, ``hidden_act``, ``rms_norm_eps``,
+        ``rope_parameters``, then ``overrides``. Defaults where the config names nothing: MLP width ``4 * H``
+        (GPT-2, Bloom and Falcon's own default), no position limit -> :data:`DEFAULT_MAX_POSITIONS`, key/value heads
+        = heads, head dim ``H / heads``, activation ``silu``, norm epsilon ``1e-6``.
+
+    Raises:
+        TargetConfigError: no attention-head or layer count, or ``H`` not divisible by the head count without a
+            ``head_dim`` (each error names the ``from_target`` override that fixes it).
+    """
+    overrides = dict(overrides or {})
+    heads = overrides.get("num_attention_heads") or _required(config, "num_attention_heads", overrides)
+    kv_heads = overrides.get("num_key_value_heads") or lookup(config, "num_key_value_heads")
+    if getattr(config, "multi_query", False) is True and kv_heads is None:
+        kv_heads = 1
+    if not isinstance(kv_heads, int) or kv_heads < 1 or heads % kv_heads:
+        kv_heads = heads
+    head_dim = overrides.get("head_dim")
+    if head_dim is None and "num_attention_heads" not in overrides:
+        head_dim = lookup(config, "head_dim")
+    if not isinstance(head_dim, int):
+        if hidden_size % heads:
+            raise TargetConfigError(
+                f"The drafter width {hidden_size} is not divisible by {heads} attention heads and the target's config "
+                "names no head_dim: pass DFlash2DraftModel.from_target(target, head_dim=...) or num_attention_heads=..."
+            )
+        head_dim = hidden_size // heads
+    act, eps = lookup(config, "hidden_act"), lookup(config, "rms_norm_eps")
+    fields = dict(
+        target_hidden_size=target_hidden_size(config, fallback=hidden_size),
+        num_target_layers=_required(config, "num_target_layers", overrides),
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        intermediate_size=lookup(config, "intermediate_size") or _mlp_width(config, hidden_size),
+        max_position_embeddings=lookup(config, "max_position_embeddings") or DEFAULT_MAX_POSITIONS,
+        hidden_act=act if isinstance(act, str) and act in ACT2FN else "silu",
+        rms_norm_eps=float(eps) if isinstance(eps, (int, float)) else 1e-6,
+        rope_parameters=rope_parameters(config),
+    )
+    return {**fields, **overrides}
+
+
+def _mlp_width(config, hidden_size: int) -> int:
+    ratio = getattr(config, "expansion_ratio", None)  # MPT
+    return int(ratio * hidden_size) if isinstance(ratio, (int, float)) and ratio > 0 else 4 * hidden_size
+
+
+def rope_parameters(config) -> dict:
+    """The target's rope settings as the drafter applies them.
+
+    Per-layer-type rope (Gemma3's ``{"full_attention": ..., "sliding_attention": ...}``): the full-attention
+    (or ``main``, else the first) entry, since the drafter attends to its whole context.
+
+    Targets without rotary positions (absolute embeddings, ALiBi) and rope types ``transformers`` cannot build
+    give the default rope at the target's ``rope_theta`` (10000 if none); keys that rotate only part of a head or
+    split it into sections are dropped (the drafter rotates its whole head).
+    """
+    rope = getattr(config, "rope_parameters", None)
+    nested = {k: v for k, v in rope.items() if isinstance(v, dict)} if isinstance(rope, dict) else {}
+    if nested:  # per layer type
+        rope = nested.get("full_attention") or nested.get("main") or next(iter(nested.values()))
+    rope = {k: v for k, v in rope.items() if k not in _TARGET_ONLY_ROPE_KEYS} if isinstance(rope, dict) else {}
+    theta = rope.get("rope_theta") or getattr(config, "rope_theta", None) or 10000.0
+    if rope.get("rope_type", "default") not in ("default", *ROPE_INIT_FUNCTIONS):
+        rope = {}
+    return {**rope, "rope_type": rope.get("rope_type", "default"), "rope_theta": float(theta)}
+
+
+__all__ = [
+    "DEFAULT_MAX_POSITIONS",
+    "NAMES",
+    "TargetConfigError",
+    "drafter_sizes",
+    "lookup",
+    "rope_parameters",
+    "target_hidden_size",
+    "text_config",
+]
