@@ -1,0 +1,69 @@
+"""Held-out prompt sets for the drafter's bar (JSONL files that `dflash2 bench --datasets` reads).
+
+* ``sharegpt``: the first human turn of ShareGPT development records ``[--start, --start + n)`` (default 16500:
+  the teacher-forced evaluations of training read [16000, 16200), so these were never used for tuning; records
+  from 17000 on are never read).
+* ``code``: "complete this function" prompts (the HumanEval instruction wording) built from documented public
+  functions of THIRD-PARTY libraries installed next to this package (networkx, jinja2, click, fsspec, ...): code
+  that is neither HumanEval nor the standard library the code LoRA adapter trains on.
+
+    python examples/make_heldout_prompts.py --out-dir runs/heldout --num-prompts 20
+    dflash2 bench --datasets runs/heldout/sharegpt-16500.jsonl,runs/heldout/thirdparty-code.jsonl ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import random
+from pathlib import Path
+
+from make_stdlib_code_prompts import function_stubs
+
+from dflash2_hf.data import sharegpt_prompts
+from dflash2_hf.data.humaneval import HUMANEVAL_INSTRUCTION
+
+LIBRARIES = ("networkx", "jinja2", "click", "fsspec", "dateutil", "markdown_it", "pyarrow", "filelock", "idna")
+
+
+def thirdparty_stubs(max_chars: int) -> list[tuple[str, str]]:
+    """``(id, stub)`` of documented public top-level functions of :data:`LIBRARIES` (those installed)."""
+    out, seen = [], set()
+    for lib in LIBRARIES:
+        spec = importlib.util.find_spec(lib)
+        if spec is None or not spec.submodule_search_locations:
+            continue
+        root = Path(list(spec.submodule_search_locations)[0])
+        for path in sorted(p for p in root.rglob("*.py") if "tests" not in p.parts and "test" not in p.parts):
+            for name, stub in function_stubs(path):
+                if name not in seen and len(stub) <= max_chars:
+                    seen.add(name)
+                    out.append((f"{lib}/{path.relative_to(root)}:{name}", stub))
+    random.Random(0).shuffle(out)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out-dir", required=True)
+    parser.add_argument("--num-prompts", type=int, default=20)
+    parser.add_argument("--start", type=int, default=16500, help="first ShareGPT dev record (< 17000)")
+    parser.add_argument("--max-chars", type=int, default=1200, help="skip code stubs longer than this")
+    args = parser.parse_args()
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    chat = sharegpt_prompts(args.start, min(args.start + 4 * args.num_prompts, 17000))[: args.num_prompts]
+    with open(out / f"sharegpt-{args.start}.jsonl", "w", encoding="utf-8") as f:
+        for rid, text in chat:
+            f.write(json.dumps({"id": f"sharegpt-{rid}", "prompt": text}) + "\n")
+    code = thirdparty_stubs(args.max_chars)[: args.num_prompts]
+    with open(out / "thirdparty-code.jsonl", "w", encoding="utf-8") as f:
+        for sid, stub in code:
+            f.write(json.dumps({"id": sid, "prompt": HUMANEVAL_INSTRUCTION.format(prompt=stub)}) + "\n")
+    print(f"wrote {len(chat)} ShareGPT prompts (records {chat[0][0]}..{chat[-1][0]}) and {len(code)} third-party "
+          f"code prompts to {out}")
+
+
+if __name__ == "__main__":
+    main()
