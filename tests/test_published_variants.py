@@ -67,8 +67,10 @@ def _load(tmp_path, drafter, config: dict, name="folder"):
 # ---------------------------------------------------------------------------------------------------------- rope
 ROPE_CASES = {
     "legacy_theta": ({"rope_theta": 1e6}, {"rope_type": "default", "rope_theta": 1e6}),
-    "linear": ({"rope_scaling": {"type": "linear", "factor": 2.0}}, {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6}),
-    "dynamic": ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e6}),
+    "linear": ({"rope_scaling": {"type": "linear", "factor": 2.0}},
+               {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6}),
+    "dynamic": ({"rope_scaling": {"type": "dynamic", "factor": 2.0}},
+                {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e6}),
     "yarn": ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}},
              {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128, "rope_theta": 1e6}),
     "llama3": ({"rope_theta": 5e5, "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
@@ -385,6 +387,7 @@ def test_train_cli_chooses_the_attention_layout(targets):
     ({"quantization_config": {"quant_method": "fp8"}}, "quantization_config"),
     ({"is_causal": True, "dflash_config": {"causal": False}}, "contradict"),
     ({"dflash_config": {"mask_token_id": None}}, "lacks `mask_token_id`"),
+    ({"dflash_config": {"mask_token_id": None, "mask_token": "<|MASK|>"}}, "names the token '<|MASK|>'"),
     ({"layer_types": ["chunked_attention", S]}, "chunked_attention"),
 ])
 def test_unsupported_fields_are_clear_errors(targets, tmp_path, change, message):
@@ -402,7 +405,8 @@ def test_unsupported_fields_are_clear_errors(targets, tmp_path, change, message)
 
 def test_neutral_values_of_other_readers_fields_load(targets, tmp_path):
     drafter = _base(targets["qwen3"])
-    config = _published(drafter.config, dflash={"use_aux_hidden_state": True, "attention_sink_bias": False},
+    config = _published(drafter.config, dflash={"use_aux_hidden_state": True, "attention_sink_bias": False,
+                                                "mask_token": "<|MASK|>"},
                         is_neox_style=True, max_window_layers=28, use_sliding_window=False)
     assert _load(tmp_path, drafter, config).layer_rules == [LayerAttention()] * 2
 

@@ -127,7 +127,8 @@ class AttentionMasks:
         new = self.position_ids
         cached = key_length - new.shape[1]
         if cached < 0:
-            raise ValueError(f"{key_length} keys for {new.shape[1]} new positions: position_ids do not match the inputs.")
+            raise ValueError(f"{key_length} keys for {new.shape[1]} new positions: position_ids do not match the "
+                             "inputs.")
         if cached == 0:
             return new
         before = new[:, :1] - cached + torch.arange(cached, device=new.device)
@@ -180,7 +181,7 @@ class DrafterCache(DynamicCache):
 
 
 def drafter_cache(config) -> DynamicCache:
-    """A fresh :class:`DrafterCache` for a drafter of ``config``; a plain ``DynamicCache`` when no layer has a window."""
+    """A fresh :class:`DrafterCache` for a drafter of ``config``; a plain ``DynamicCache`` if no layer has a window."""
     if all(rule.window is None for rule in layer_attention(config)):
         return DynamicCache()
     return DrafterCache(config)

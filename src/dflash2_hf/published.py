@@ -109,7 +109,8 @@ def translate_published(config_dict: dict[str, Any], fields: set[str]) -> dict[s
         raise ValueError(f"Unknown drafter architecture {architectures[0]!r}; expected one of {sorted(ARCHITECTURES)}.")
     if "num_target_layers" not in top:
         raise ValueError("Published DFlash config lacks `num_target_layers`; add the target's layer count.")
-    _refuse_unknown(dflash, set(DFLASH_KEYS) | {"causal"}, NEUTRAL_DFLASH_VALUES, "dflash_config")
+    # `mask_token` (a token string, SGLang) only names the token `mask_token_id` gives
+    _refuse_unknown(dflash, set(DFLASH_KEYS) | {"causal", "mask_token"}, NEUTRAL_DFLASH_VALUES, "dflash_config")
     known_top = (fields - _OWN_SWITCHES) | _QWEN3_FIELDS | set(LEGACY_ROPE_KEYS) | {"is_causal"} | METADATA_KEYS
     _refuse_unknown(top, known_top, NEUTRAL_TOP_LEVEL_VALUES, "top-level")
 
@@ -131,7 +132,10 @@ def translate_published(config_dict: dict[str, Any], fields: set[str]) -> dict[s
         else:
             out.pop(key, None)
     if "mask_token_id" not in out:
-        raise ValueError("Published DFlash config lacks `mask_token_id` (in dflash_config or at the top level).")
+        named = (f" (it names the token {dflash['mask_token']!r}: look its id up in the tokenizer)"
+                 if "mask_token" in dflash else "")
+        raise ValueError(f"Published DFlash config lacks `mask_token_id` (in dflash_config or at the top level)"
+                         f"{named}.")
     if "target_layer_ids" not in out:
         out["target_layer_ids"] = published_target_layer_ids(int(top["num_target_layers"]), qwen.num_hidden_layers)
     out["use_local_conv"] = version == 2 and "conv_kernel_size" in out
