@@ -62,3 +62,30 @@ def test_original_answer_records_keep_each_answer_as_a_span():
     assert texts == ["hello there<|im_end|>", "bye<|im_end|>"]
     cut = original_record(tok, rec, stop_ids=[2], max_tokens=out["response_spans"][0][0] + 4)
     assert cut["truncated"] and cut["num_turns"] == 1 and len(cut["input_ids"]) == out["response_spans"][0][0] + 4
+
+
+def test_cli_original_answers_and_target_labels_train_with_extra_data(tmp_path, monkeypatch):
+    """prepare-data --original-answers + a regenerated folder, trained together with train --target-labels."""
+    import json
+
+    from dflash2_hf.cli import main
+    from test_data import _good_records, _tiny_llama, _tiny_tokenizer, _write_array
+
+    monkeypatch.setenv("DFLASH2_CACHE", str(tmp_path / "cache"))
+    tok = _tiny_tokenizer()
+    target = _tiny_llama(len(tok))
+    target.save_pretrained(tmp_path / "target")
+    tok.save_pretrained(tmp_path / "target")
+    t, src = str(tmp_path / "target"), str(_write_array(tmp_path / "sg.json", _good_records(8)))
+    assert main(["prepare-data", "--target", t, "--source", src, "--out", str(tmp_path / "orig"), "--stop", "8",
+                 "--original-answers", "--max-prompt-tokens", "400"]) == 0
+    meta = json.loads((tmp_path / "orig" / "meta.json").read_text())
+    assert meta["generation"]["original_answers"] and meta["counts"]["kept"] == 8
+    assert main(["prepare-data", "--target", t, "--source", src, "--out", str(tmp_path / "regen"), "--stop", "4",
+                 "--max-new-tokens", "6", "--no-progress"]) == 0
+    out = tmp_path / "run"
+    assert main(["train", "--target", t, "--data", str(tmp_path / "orig"), "--extra-data", str(tmp_path / "regen"),
+                 "--target-labels", "--output", str(out), "--num-layers", "1", "--block-size", "4", "--target-layer-ids", "0,1",
+                 "--num-blocks", "4", "--max-steps", "3", "--save-steps", "100", "--no-progress"]) == 0
+    caches = json.loads((out / "training_summary.json").read_text())["feature_cache"]
+    assert len(caches) == 2 and all(c.endswith("__next") for c in caches)

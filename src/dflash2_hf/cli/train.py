@@ -51,6 +51,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="keep picking up records a still-running prepare-data job adds (at every epoch start and "
                         "every --follow-every steps); their features are computed in this process")
     g.add_argument("--follow-every", type=int, default=None, help="with --follow-data: also refresh every N steps")
+    g.add_argument("--extra-data", action="append", default=[], metavar="DIR",
+                   help="another prepared folder trained together with --data (its own feature cache next to "
+                        "--data's; repeatable), e.g. original-answer records next to regenerated ones")
+    g.add_argument("--target-labels", action="store_true",
+                   help="label every slot with the target's own greedy token (stored with the features: a "
+                        "separate cache) and train a slot only while the text agrees with the target before it; "
+                        "needed for `prepare-data --original-answers` folders, the same labels on regenerated data")
     g.add_argument("--eval-data", default=None,
                    help="held-out prepared data folder (e.g. regenerated dev records 16000-17000): teacher-forced "
                         "per-slot accuracy and tau estimates on it are logged as eval_* every --eval-steps")
@@ -289,7 +296,8 @@ def _eval_only(args, target, drafter, progress, tokenizer, resume_from: str | No
         drafter = load_adapter(drafter, adapter).eval()
     cfg = drafter.config
     recs = load_eval_records(args, tokenizer)
-    cache = FeatureCache(args.features_dir or default_features_root(args.eval_data), args.target, cfg.target_layer_ids)
+    cache = FeatureCache(args.features_dir or default_features_root(args.eval_data), args.target, cfg.target_layer_ids,
+                         with_next=args.target_labels)
     cache.build(target, recs, max_length=args.max_length, compute_dtype=getattr(torch, args.feature_dtype),
                 progress=progress)
     dataset = FeatureDataset(recs, cache, max_length=args.max_length)
@@ -350,30 +358,40 @@ def run(args: argparse.Namespace) -> int:
         logger.info("--only-code: %d records %s", len(records), "(a prepare-data --only-code folder, all kept)"
                     if is_code_folder(args.data) else "with a fenced code block")
     feat_root = args.features_dir or default_features_root(args.data)
-    cache = FeatureCache(feat_root, args.target, cfg.target_layer_ids)
     budget = None if args.feature_time_budget is None else args.feature_time_budget * 60
-    stats = cache.build(target, records, max_length=args.max_length, compute_dtype=getattr(torch, args.feature_dtype),
-                        progress=progress, time_budget_s=budget)
-    logger.info("features: %d records computed (%d tokens, %.0f tokens/s), %d cached in %s", stats["computed"],
-                stats["tokens"], stats["tokens_per_s"], stats["cached"], cache.dir)
+    parts, all_ids = [], set()
+    for k, data_dir in enumerate([args.data, *args.extra_data]):
+        recs = records if k == 0 else load_training_records(data_dir, max_records=args.max_records)
+        all_ids |= {r["record_id"] for r in recs}
+        root = feat_root if k == 0 else (os.path.join(args.features_dir, f"extra-{k}") if args.features_dir
+                                         else default_features_root(data_dir))
+        part_cache = FeatureCache(root, args.target, cfg.target_layer_ids, with_next=args.target_labels)
+        stats = part_cache.build(target, recs, max_length=args.max_length,
+                                 compute_dtype=getattr(torch, args.feature_dtype), progress=progress,
+                                 time_budget_s=budget)
+        logger.info("features of %s: %d records computed (%d tokens, %.0f tokens/s), %d cached in %s", data_dir,
+                    stats["computed"], stats["tokens"], stats["tokens_per_s"], stats["cached"], part_cache.dir)
+        part = FeatureDataset(recs, part_cache, max_length=args.max_length)
+        logger.info("training data from %s: %d sequences, %d context tokens, %d response tokens (%d records not "
+                    "cached)", data_dir, len(part), part.num_tokens(), part.num_response_tokens(), part.skipped)
+        parts.append(part)
     if args.features_only:
         return 0
-    dataset = FeatureDataset(records, cache, max_length=args.max_length)
-    if len(dataset) == 0:
+    dataset, cache = parts[0], parts[0].cache  # --follow-data grows the --data part
+    train_set = dataset if len(parts) == 1 else torch.utils.data.ConcatDataset(parts)
+    if len(train_set) == 0:
         logger.error("no training sequence has cached features: nothing to train on")
         return 1
-    logger.info("training data: %d sequences, %d context tokens, %d response tokens (%d records not cached)",
-                len(dataset), dataset.num_tokens(), dataset.num_response_tokens(), dataset.skipped)
 
     eval_dataset = None
     if args.eval_data:
         eval_records = load_eval_records(args, tokenizer)
-        train_ids = {r["record_id"] for r in records}
-        if any(r["record_id"] in train_ids for r in eval_records):
+        if any(r["record_id"] in all_ids for r in eval_records):
             logger.error("--eval-data shares record ids with --data: evaluation must use held-out records")
             return 1
         eval_cache = FeatureCache(default_features_root(args.eval_data) if not args.features_dir else
-                                  os.path.join(args.features_dir, "eval"), args.target, cfg.target_layer_ids)
+                                  os.path.join(args.features_dir, "eval"), args.target, cfg.target_layer_ids,
+                                  with_next=args.target_labels)
         eval_cache.build(target, eval_records, max_length=args.max_length,
                          compute_dtype=getattr(torch, args.feature_dtype), progress=progress)
         eval_dataset = FeatureDataset(eval_records, eval_cache, max_length=args.max_length)
@@ -410,7 +428,7 @@ def run(args: argparse.Namespace) -> int:
         eval_steps=args.eval_steps if eval_dataset is not None else None,
     )
     targs = default_training_arguments(args.output, **overrides)
-    trainer = DFlash2Trainer(model=model, args=targs, target=target, train_dataset=dataset, eval_dataset=eval_dataset,
+    trainer = DFlash2Trainer(model=model, args=targs, target=target, train_dataset=train_set, eval_dataset=eval_dataset,
                              data_collator=collator)
     if args.follow_data:
         trainer.add_callback(FollowDataCallback(
@@ -434,7 +452,7 @@ def run(args: argparse.Namespace) -> int:
     final_eval = trainer.evaluate() if eval_dataset is not None else {}
     path = write_summary(args.output, trainer, {
         "train_runtime_s": result.metrics.get("train_runtime"), "wall_s": round(time.time() - t_start, 1),
-        "sequences": len(dataset), "feature_cache": str(cache.dir), "resumed_from": resume_from,
+        "sequences": len(train_set), "feature_cache": [str(p.cache.dir) for p in parts], "resumed_from": resume_from,
         "final_eval": final_eval,
     })
     logger.info("saved the %s to %s (summary: %s)", "LoRA adapter" if args.lora else "drafter", args.output, path)
