@@ -81,10 +81,12 @@ def verify_block(logits, input_ids, logits_processor, emitter: TokenEmitter, pic
     Position ``i``: the processors see ``input_ids`` plus the tokens emitted so far, ``pick`` chooses the token, the
     emitter shows it to the criteria; stops after the first token that is not an accepted draft or that stops.
     """
-    copy_raw = len(logits_processor) > 0 or emitter.raw_logits is not None  # processors may write in place
+    # own copies, as plain decoding has: processors may write in place, and a record of a view would keep the whole
+    # block's logits (rejected positions too) alive
+    copy = len(logits_processor) > 0 or emitter.scores is not None or emitter.raw_logits is not None
     sequence = input_ids
     for i in range(logits.shape[1]):
-        raw = logits[:, i].clone() if copy_raw else logits[:, i]
+        raw = logits[:, i].clone() if copy else logits[:, i]
         processed = logits_processor(sequence, raw)
         token, accepted = pick(i, processed)
         sequence, stopped = emitter.emit(sequence, token, processed, raw)
