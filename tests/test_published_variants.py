@@ -92,6 +92,8 @@ def test_rope_variants_match_transformers_qwen3_rotary(targets, tmp_path, case):
     assert {k: rope.get(k) for k in expected} == expected
     saved = json.loads(loaded.config.to_json_string())
     assert "rope_theta" not in saved and saved["rope_parameters"] == rope  # ours records the standard form only
+    # the 4.x `torch_dtype`, read as transformers reads it
+    assert DFlash2Config.from_dict({**config, "torch_dtype": "bfloat16"}).dtype == torch.bfloat16
     # the rotary the reference builds: transformers' Qwen3RotaryEmbedding of the same config.json
     reference = Qwen3RotaryEmbedding(Qwen3Config.from_dict(config))
     x = torch.zeros(1, 1, loaded.config.head_dim)

@@ -117,6 +117,8 @@ def translate_published(config_dict: dict[str, Any], fields: set[str]) -> dict[s
     # the top level exactly as the reference's Qwen3Config resolves it (rope standardisation, attention layout)
     qwen = Qwen3Config(**{k: v for k, v in top.items() if k in _QWEN3_FIELDS or k in LEGACY_ROPE_KEYS})
     out = {k: v for k, v in top.items() if k in fields and k not in _QWEN3_FIELDS}
+    if out.get("dtype") is None and top.get("torch_dtype") is not None:  # the 4.x name, as transformers maps it
+        out["dtype"] = top["torch_dtype"]
     out.update({k: getattr(qwen, k) for k in _QWEN3_FIELDS & fields})
     sliding = [t == SLIDING_ATTENTION for t in qwen.layer_types]
     out["layer_types"] = list(qwen.layer_types) if any(sliding) else None
