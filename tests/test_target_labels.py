@@ -90,3 +90,28 @@ def test_cli_original_answers_and_target_labels_train_with_extra_data(tmp_path, 
                  "--num-blocks", "4", "--max-steps", "3", "--save-steps", "100", "--no-progress"]) == 0
     caches = json.loads((out / "training_summary.json").read_text())["feature_cache"]
     assert len(caches) == 2 and all(c.endswith("__next") for c in caches)
+
+
+def test_loss_over_the_draft_vocabulary_matches_the_restricted_softmax():
+    """With a draft vocabulary the block CE is the softmax over its rows only; labels outside it train nothing."""
+    import torch.nn.functional as F
+
+    from dflash2_hf.training import drafter_loss, slot_weights
+
+    target = _target()
+    drafter = _drafter(target)
+    vocab = torch.arange(3, 128, 2)  # odd ids only
+    drafter.set_draft_vocab(vocab)
+    torch.manual_seed(0)
+    hidden = torch.randn(1, 8, drafter.config.hidden_size)
+    labels = torch.tensor([[IGNORE_INDEX, 5, 7, 4, IGNORE_INDEX, 9, 11, 13]])  # 4 is outside the draft vocabulary
+    preds = torch.tensor([[0, 1, 5, 7, 0, 3, 9, 11]])
+    out = drafter_loss(drafter, hidden, labels, preds, target.get_output_embeddings(), 4, selector_weight=0.0)
+    logits = drafter.compute_logits(hidden[0], target.get_output_embeddings())[:, vocab]
+    w = slot_weights(4).repeat(2)
+    w[3] = 0.0  # slot 3 of block 0: label 4 is outside the draft vocabulary
+    idx = {int(t): i for i, t in enumerate(vocab)}
+    y = torch.tensor([idx.get(int(t), 0) for t in labels[0]])
+    ce = F.cross_entropy(logits, y, reduction="none")
+    torch.testing.assert_close(out.ce_loss, (w * ce).sum() / w.sum())
+    assert out.stats["labels"] == 6 and out.stats["top1_correct"] <= 5  # the outside label is always a miss
