@@ -51,7 +51,8 @@ def main() -> None:
     s, meta = res["settings"], res["meta"]
     if not s["greedy"]:
         raise SystemExit("this check supports greedy runs only")
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[meta["dtype"]]
+    # "fp32", "bf16", "fp32 (auto: no native bf16 on this CPU)", or torch's name ("float32") from the Python API
+    dtype = torch.bfloat16 if meta["dtype"].split()[0] in ("bf16", "bfloat16") else torch.float32
     torch.manual_seed(s["seed"])  # same order of random draws as the CLI: a 'fresh' drafter gets the same weights
     target, tokenizer = load_target(meta["target"], dtype=dtype)
     if meta["drafter"] == "fresh":

@@ -10,9 +10,11 @@ drafter's hidden-state layers requested, as the loop runs it), ``T_decode = T_ve
 proposal of a full block, fp32 and bf16), each the median of ``--repeats`` interleaved timings, and prints the cost
 ratios, the tau each block size needs for 1x / 1.8x, and the best speedup a perfect drafter (``tau = n``) could give.
 No training or data is involved: it bounds what any drafter can do with this target on this hardware.
+``--dtype`` is the target's (default ``auto``: bf16 where the CPU/GPU computes it natively, else fp32, as the main job
+picks it; the first line says which and why); compare fp32 and bf16 targets with two runs.
 
     PYTHONPATH=src python examples/cost_curve.py --num-threads 1
-    PYTHONPATH=src python examples/cost_curve.py --num-threads 2
+    PYTHONPATH=src python examples/cost_curve.py --num-threads 2 --dtype bf16
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import torch
 import dflash2_hf  # noqa: F401
 from dflash2_hf import GenerationStats
 from dflash2_hf.bench import load_bench_prompts, load_drafter
+from dflash2_hf.cli import DTYPES, resolve_dtype
 from dflash2_hf.generation.candidate_generator import DFlash2CandidateGenerator
 from dflash2_hf.targets import load_target
 
@@ -47,10 +50,13 @@ def main() -> None:
     parser.add_argument("--num-threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--sizes", default="1,2,3,4,6,8,12,16", help="verification lengths n (tokens per forward)")
+    parser.add_argument("--dtype", default="auto", choices=DTYPES,
+                        help="target dtype (default auto: bf16 where this CPU computes it natively, else fp32)")
     args = parser.parse_args()
     torch.set_num_threads(args.num_threads)
 
-    target, tokenizer = load_target(args.target)
+    dtype, dtype_label = resolve_dtype(args.dtype, "cpu")
+    target, tokenizer = load_target(args.target, dtype=dtype)
     prompt = load_bench_prompts(["sharegpt"], tokenizer, num_prompts=1)[0]["sharegpt"][0]
     ids = torch.tensor([prompt.input_ids])
     drafters = {name: load_drafter(args.drafter, target, dtype=dtype)
@@ -99,7 +105,7 @@ def main() -> None:
     draft_ms = {name: statistics.median(v) for name, v in draft_ms.items()}
     decode = verify_ms[1]
 
-    print(f"target {args.target}, prompt {prompt_len} tokens, torch threads {args.num_threads}, "
+    print(f"target {args.target} in {dtype_label}, prompt {prompt_len} tokens, torch threads {args.num_threads}, "
           f"median of {args.repeats}")
     print(f"drafter proposal of a full block (B={block}), context cached: "
           + ", ".join(f"{name} {ms:.1f} ms ({ms / decode:.2f} decode steps)" for name, ms in draft_ms.items()))

@@ -103,7 +103,7 @@ class Oracle:
             start = input_ids.shape[1]
             truth = oracle.reference[start : start + num_drafts].clone()
             if truth.numel() < num_drafts:  # past the reference's end: anything
-                truth = torch.cat([truth, torch.full((num_drafts - truth.numel(),), 7)])
+                truth = torch.cat([truth, torch.full((num_drafts - truth.numel(),), 7, device=truth.device)])
             slot = oracle.wrong(oracle.cycle)
             if slot is not None and slot < num_drafts:
                 truth[slot] = (truth[slot] + 1) % 90 + 6
@@ -112,6 +112,18 @@ class Oracle:
             return proposal
 
         monkeypatch.setattr(cg.DFlash2CandidateGenerator, "propose", propose)
+
+
+def make_near_tie_target(seed: int = 0, eps: float = 3e-3, dtype: torch.dtype = torch.bfloat16):
+    """A tiny llama whose LM-head rows come in near-identical twins (row 2i+1 = row 2i + eps * noise): at every step
+    plain greedy's top two tokens are a twin pair within a few bf16 ulps, so a block verification in bf16 (rounded
+    differently from one token at a time) parts from plain greedy at near-ties, and only there."""
+    target = make_target("llama", seed=seed)
+    with torch.no_grad():
+        weight = target.get_output_embeddings().weight
+        g = torch.Generator().manual_seed(seed)
+        weight[1::2] = weight[0::2] + eps * torch.randn(weight[1::2].shape, generator=g)
+    return target.to(dtype)
 
 
 @pytest.fixture(scope="session")

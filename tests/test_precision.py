@@ -9,7 +9,7 @@ import torch
 from conftest import make_drafter
 from transformers.utils import logging as hf_logging
 
-from dflash2_hf.cli import build_parser, resolve_drafter_dtype
+from dflash2_hf.cli import build_parser, resolve_dtype
 from dflash2_hf.generation import drafting_dtype, has_native_bf16
 from dflash2_hf.generation.precision import warn_if_emulated_bf16
 
@@ -30,7 +30,8 @@ def test_drafting_dtype_follows_the_cpu(cpu_bf16, native, expected):
     cpu_bf16(native)
     assert has_native_bf16("cpu") is native
     assert drafting_dtype(torch.device("cpu")) == expected
-    assert resolve_drafter_dtype("auto", "cpu") == (expected, f"{'bf16' if native else 'fp32'} (auto)")
+    reason = "AVX512-BF16 on this CPU" if native else "no native bf16 on this CPU"
+    assert resolve_dtype("auto", "cpu") == (expected, f"{'bf16' if native else 'fp32'} (auto: {reason})")
 
 
 def test_amx_alone_counts_as_native(monkeypatch):
@@ -40,9 +41,12 @@ def test_amx_alone_counts_as_native(monkeypatch):
 
 
 def test_explicit_drafter_dtypes_are_kept(cpu_bf16):
-    cpu_bf16(False)  # an explicit choice wins over the hardware probe
-    assert resolve_drafter_dtype("bf16", "cpu") == (torch.bfloat16, "bf16")
-    assert resolve_drafter_dtype("float32", "cpu") == (torch.float32, "fp32")
+    cpu_bf16(False)  # an explicit choice wins over the hardware probe, and the label says it is emulated
+    assert resolve_dtype("bf16", "cpu") == (torch.bfloat16, "bf16 (explicit; no native bf16 on this CPU: emulated, "
+                                                            "slower than fp32)")
+    assert resolve_dtype("float32", "cpu") == (torch.float32, "fp32")
+    cpu_bf16(True)
+    assert resolve_dtype("bfloat16", "cpu") == (torch.bfloat16, "bf16")
 
 
 @pytest.mark.parametrize("command", ["demo", "generate", "bench"])
@@ -116,3 +120,87 @@ def test_bf16_drafters_of_the_cli_keep_fp32_rotary_frequencies(targets, tmp_path
         drafter = load_drafter(spec, target, dtype=torch.bfloat16)
         assert drafter.dtype == torch.bfloat16 and drafter.rotary_emb.inv_freq.dtype == torch.float32, spec
         assert torch.equal(drafter.rotary_emb.inv_freq, reference), spec
+
+
+# ------------------------------------------------------------------ target dtype (--dtype auto)
+@pytest.mark.parametrize("avx512_bf16, amx, expected, reason", [
+    (False, False, torch.float32, "no native bf16 on this CPU"),  # AVX2 only (the AMD EPYC)
+    (True, False, torch.bfloat16, "AVX512-BF16 on this CPU"),
+    (False, True, torch.bfloat16, "AMX on this CPU"),
+    (True, True, torch.bfloat16, "AMX on this CPU"),  # the Intel Xeon
+])
+def test_target_dtype_follows_the_cpu_flags(monkeypatch, avx512_bf16, amx, expected, reason):
+    import dflash2_hf
+    from dflash2_hf.generation import auto_dtype_label, bf16_support
+
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16, raising=False)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx, raising=False)
+    assert dflash2_hf.target_dtype("cpu") == expected == dflash2_hf.drafting_dtype("cpu")  # one rule, one probe
+    assert bf16_support(torch.device("cpu")) == (expected == torch.bfloat16, reason)
+    label = f"{'bf16' if expected == torch.bfloat16 else 'fp32'} (auto: {reason})"
+    assert auto_dtype_label("cpu") == label and resolve_dtype("auto", "cpu") == (expected, label)
+
+
+def test_a_torch_without_cpu_probes_means_fp32(monkeypatch):
+    import dflash2_hf
+
+    monkeypatch.delattr(torch.cpu, "_is_avx512_bf16_supported", raising=False)
+    monkeypatch.delattr(torch.cpu, "_is_amx_tile_supported", raising=False)
+    assert dflash2_hf.target_dtype("cpu") == torch.float32
+    assert "cannot tell" in resolve_dtype("auto", "cpu")[1]
+
+
+@pytest.mark.parametrize("capability, expected", [((7, 5), "fp32 (auto: no native bf16 on Tesla T4, compute capability "
+                                                          "7.5 < 8.0)"),
+                                                  ((9, 0), "bf16 (auto: native bf16 on Tesla T4, compute capability 9.0)")])
+def test_auto_dtype_on_cuda_names_the_gpu(monkeypatch, capability, expected):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i: "Tesla T4")
+    monkeypatch.setattr(torch.version, "hip", None)
+    assert resolve_dtype("auto", "cuda")[1] == expected
+
+
+def test_unknown_dtype_is_a_clear_error():
+    with pytest.raises(ValueError, match="unknown dtype 'fp16'; choose from auto"):
+        resolve_dtype("fp16", "cpu")
+
+
+@pytest.mark.parametrize("command, default", [("demo", "auto"), ("generate", "auto"), ("bench", "fp32")])
+def test_cli_dtype_choices_and_defaults(command, default):
+    extra = {"generate": ["--prompt", "hi"], "bench": ["--drafter", "fresh", "--out", "unused"]}.get(command, [])
+    assert build_parser().parse_args([command, *extra]).dtype == default
+    for value in ("auto", "bf16", "fp32"):
+        assert build_parser().parse_args([command, *extra, "--dtype", value]).dtype == value
+    with pytest.raises(SystemExit):
+        build_parser().parse_args([command, *extra, "--dtype", "fp16"])
+
+
+class _Loaded(Exception):
+    pass
+
+
+@pytest.mark.parametrize("command", ["demo", "generate", "bench"])
+@pytest.mark.parametrize("amx, expected", [(False, torch.float32), (True, torch.bfloat16)])
+def test_dtype_auto_loads_the_target_in_the_faster_dtype(monkeypatch, capsys, command, amx, expected):
+    """--dtype auto on the CPU: fp32 without bf16 instructions (AVX2), bf16 with AMX; the output says which and why."""
+    from dflash2_hf import targets
+    from dflash2_hf.cli import main
+
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False, raising=False)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx, raising=False)
+    loaded = []
+
+    def fake_load(name, dtype=torch.float32, device="cpu"):
+        loaded.append(dtype)
+        raise _Loaded
+
+    monkeypatch.setattr(targets, "load_target", fake_load)
+    extra = {"generate": ["--prompt", "hi"], "bench": ["--drafter", "fresh", "--out", "unused"]}.get(command, [])
+    with pytest.raises(_Loaded):
+        main([command, *extra, "--dtype", "auto", "--device", "cpu"])
+    assert loaded == [expected]
+    captured = capsys.readouterr()
+    reason = "AMX on this CPU" if amx else "no native bf16 on this CPU"
+    assert f"target dtype: {'bf16' if amx else 'fp32'} (auto: {reason})" in captured.out + captured.err

@@ -21,6 +21,7 @@ import os
 
 import torch
 
+from .fidelity import annotate_records, calibrate
 from .prompts import Prompt, load_bench_prompts
 from .recorder import ForwardRecorder, per_position_rates
 from .report import ALL, aggregate, environment, markdown, plot, records_to_json, write_outputs
@@ -62,7 +63,7 @@ def load_adapted_drafter(spec: str, adapter_path: str | os.PathLike, target, dty
 
 def run_benchmark(target, drafter, prompts: dict[str, list[Prompt]], settings: BenchSettings | None = None,
                   out_dir: str | os.PathLike | None = None, meta: dict | None = None, plots: bool = True,
-                  adapted_drafter=None) -> dict:
+                  adapted_drafter=None, reference_target=None) -> dict:
     """Runs the benchmark and (with ``out_dir``) writes ``results.json``, ``results.md`` and the PNG plots.
 
     Args:
@@ -75,12 +76,18 @@ def run_benchmark(target, drafter, prompts: dict[str, list[Prompt]], settings: B
         meta: free description stored in ``results["meta"]`` (target / drafter names, dtype, ...).
         adapted_drafter: the drafter of the ``dflash2_adapter`` method (the same drafter with a LoRA adapter
             merged, see :func:`load_adapted_drafter`); needed only when that method is selected.
+        reference_target: greedy only, optional: the same target in float32 (``target`` itself in bf16/fp16); its
+            plain greedy outputs are compared with ``target``'s, untimed, as ``results["calibration"]``
+            (:func:`dflash2_hf.bench.fidelity.calibrate`).
 
     Returns:
         The ``results.json`` content: ``settings``, ``meta``, ``environment`` (versions, machine), ``prompts``
         (ids and lengths per data set), ``run`` (timestamps, warm-up times), ``records`` (one per prompt x method:
         new tokens, seconds, tokens/s, identity, forward accounting, generation_stats, output ids) and
-        ``aggregates`` (one per data set x method, plus data set ``"all"``).
+        ``aggregates`` (one per data set x method, plus data set ``"all"``), and with ``reference_target``
+        ``calibration``. Greedy records not identical to plain's carry a ``divergence`` (first differing token,
+        plain's margin there, near-tie or bug; see docs/bench.md), counted per row as ``near_ties`` /
+        ``divergence_bugs``; ``fidelity_ok`` is False when any divergence is a bug.
     """
     settings = settings or BenchSettings()
     meta = dict(meta or {})
@@ -94,6 +101,12 @@ def run_benchmark(target, drafter, prompts: dict[str, list[Prompt]], settings: B
     env = environment(target)
     records, run_info = run_methods(target, drafter, prompts, settings, adapted_drafter=adapted_drafter)
     env["machine"]["load_average_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+    calibration = None
+    if settings.greedy:  # untimed, after the timed loop: re-runs plain where an output diverged
+        annotate_records(target, records, prompts, settings.generate_kwargs(), settings.near_tie_ulps)
+        if reference_target is not None:
+            calibration = calibrate(reference_target, target, records, prompts, settings.max_new_tokens,
+                                    settings.generate_kwargs(), settings.near_tie_ulps)
     block_size = drafter.config.block_size if drafter is not None else None
     results = {
         "format": "dflash2-bench/1",
@@ -107,6 +120,8 @@ def run_benchmark(target, drafter, prompts: dict[str, list[Prompt]], settings: B
                                 settings.greedy),
         "records": records_to_json(records),
     }
+    if calibration is not None:
+        results["calibration"] = calibration
     if out_dir is not None:
         results["files"] = write_outputs(results, out_dir, plots=plots)
     return results

@@ -11,6 +11,7 @@ from dataclasses import asdict, fields
 from pathlib import Path
 
 from ..generation.stats import GenerationStats
+from .fidelity import divergence_counts, divergence_lines, identity_cell
 from .recorder import per_position_rates
 from .runner import METHOD_DESCRIPTIONS, STATS_METHODS, RawRecord
 
@@ -105,6 +106,7 @@ def aggregate(records: list[RawRecord], methods: tuple, block_size: int | None, 
                 prefill_ms_per_call=1000.0 * prefill / len(rs),
                 identical_to_plain=(sum(bool(r.identical_to_plain) for r in rs) if greedy else None),
                 identical_all=(all(r.identical_to_plain for r in rs) if greedy else None),
+                **divergence_counts(rs, greedy),
             )
             rows.append(row)
     return rows
@@ -179,8 +181,8 @@ def markdown(results: dict) -> str:
     lines = ["# DFlash2 benchmark", ""]
     decoding = "greedy" if s["greedy"] else f"sampling T={s['temperature']}, top_p={s['top_p']}, top_k={s['top_k'] or 'off'}"
     lines += [
-        f"- target: `{meta.get('target', '?')}` ({meta.get('dtype', '?')}), drafter: `{meta.get('drafter', '?')}`"
-        + (f" ({meta['drafter_dtype']})" if meta.get("drafter_dtype") else "")
+        f"- target: `{meta.get('target', '?')}` in {meta.get('dtype', '?')}, drafter: `{meta.get('drafter', '?')}`"
+        + (f" in {meta['drafter_dtype']}" if meta.get("drafter_dtype") else "")
         + (f" (block size {meta['block_size']})" if meta.get("block_size") else ""),
         f"- {decoding}, max_new_tokens={s['max_new_tokens']}, seed={s['seed']}, "
         f"prompt lookup N={s['prompt_lookup_num_tokens']}",
@@ -209,10 +211,7 @@ def markdown(results: dict) -> str:
     ]
     for row in results["aggregates"]:
         split = row["time_split_ms_per_cycle"]
-        if row["identical_to_plain"] is None:
-            ident = "n/a"
-        else:
-            ident = f"{row['identical_to_plain']}/{row['num_prompts']}" + ("" if row["identical_all"] else " **NO**")
+        ident = identity_cell(row)
         dagger = "" if row["tau_source"] == "generation_stats" or row["method"] == "plain" else "†"
         tau = _fmt(row["tau"]) + dagger
         drafts = _fmt(row.get("mean_draft_length"), ".2f", "-") + (dagger if row.get("mean_draft_length") else "")
@@ -234,12 +233,14 @@ def markdown(results: dict) -> str:
                 continue
             cells = [_fmt(acc[i]) if i < len(acc) else "" for i in range(width)]
             lines.append(f"| {row['dataset']} | {row['method']} | " + " | ".join(cells) + " |")
+    lines += divergence_lines(results)
     lines += [
         "",
         "tok/s: new tokens / wall seconds of the generate() calls (pooled over prompts); speedup: tok/s over plain's "
         "in this same interleaved run; tau: tokens per target verification (generation_stats; † = from counting target "
         "forward calls with a hook); drafts: drafts verified per cycle (cycles with room for one; † = counted with the "
-        "hook); identical: prompts whose greedy output equals plain greedy token for token; "
+        "hook); identical: prompts whose greedy output equals plain greedy token for token (near-ties and bugs: see "
+        "Divergences); "
         "ms columns: per verification cycle (plain: per decoding step), rest = wall time not spent in the other "
         "columns or the prefill. See docs/bench.md.",
         "",

@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from .fidelity import NEAR_TIE_ULPS
 from .recorder import ForwardRecorder
 
 METHODS = ("plain", "prompt_lookup", "builtin_dflash", "dflash2_top1", "dflash2", "dflash2_dynamic", "dflash2_adapter")
@@ -52,6 +53,8 @@ class BenchSettings:
         warmup: one untimed generation per method first.
         warmup_tokens: ``max_new_tokens`` of the warm-up generations.
         progress: tqdm progress bar.
+        near_tie_ulps: greedy, bf16/fp16 targets: a divergence from plain greedy is a near-tie when plain's margin
+            there is at most this many ulps of its largest score (:mod:`.fidelity`; docs/bench.md).
     """
 
     max_new_tokens: int = 128
@@ -65,6 +68,7 @@ class BenchSettings:
     warmup: bool = True
     warmup_tokens: int = 16
     progress: bool = True
+    near_tie_ulps: float = NEAR_TIE_ULPS
 
     def __post_init__(self):
         methods = tuple(dict.fromkeys(self.methods))
@@ -186,6 +190,7 @@ class RawRecord:
     forwards: dict = field(default_factory=dict)
     generation_stats: dict | None = None
     output_ids: list = field(default_factory=list)
+    divergence: dict | None = None  # greedy, not identical to plain: where and why (fidelity.Divergence.to_dict())
 
 
 def run_methods(target, drafter, prompts: dict, settings: BenchSettings,

@@ -40,6 +40,11 @@ def non_negative(text: str) -> float:
     return _number(text, lambda v: v >= 0, ">= 0 (0 = greedy)")
 
 
+def non_negative_bound(text: str) -> float:
+    """argparse type of a bound >= 0 (e.g. ``--near-tie-ulps``)."""
+    return _number(text, lambda v: v >= 0, ">= 0")
+
+
 def device_spec(text: str) -> str:
     """argparse type of a ``--device`` value: ``auto``, ``cpu``, ``cuda`` or ``cuda:N``."""
     if text in ("auto", "cpu", "cuda") or (text.startswith("cuda:") and text[5:].isdigit()):
@@ -74,7 +79,17 @@ def resolve_device(spec: str):
     return device
 
 
-DRAFTER_DTYPES = ("auto", "bf16", "bfloat16", "fp32", "float32")
+DTYPES = ("auto", "bf16", "bfloat16", "fp32", "float32")
+DRAFTER_DTYPES = DTYPES  # the same choices for --dtype (target) and --drafter-dtype
+
+
+def add_dtype_argument(parser: argparse.ArgumentParser, default: str, what: str = "target") -> None:
+    """``--dtype`` of the target (``auto`` / ``bf16`` / ``fp32``); ``what`` names what it sets in the help text."""
+    parser.add_argument("--dtype", default=default, choices=DTYPES,
+                        help=f"{what} dtype (default {default}). auto = bf16 where the device computes it natively "
+                             "(GPUs with bf16, CPUs with AVX512-BF16/AMX), else fp32; plain generate() runs in the same "
+                             "dtype. fp32: greedy output identical to plain greedy token for token; bf16: identical up "
+                             "to near-ties (docs/bench.md)")
 
 
 def add_drafter_dtype_argument(parser: argparse.ArgumentParser, default: str | None, default_text: str) -> None:
@@ -84,19 +99,28 @@ def add_drafter_dtype_argument(parser: argparse.ArgumentParser, default: str | N
                              "CPUs with AVX512-BF16/AMX), else fp32 (emulated bf16 drafted 2.4x slower than fp32 on one AVX2 thread)")
 
 
-def resolve_drafter_dtype(spec: str, device) -> tuple[object, str]:
-    """``(torch dtype, label for reports)`` of a ``--drafter-dtype`` value on ``device`` (``auto``: see
-    :func:`dflash2_hf.generation.drafting_dtype`)."""
+def resolve_dtype(spec: str, device) -> tuple[object, str]:
+    """``(torch dtype, label for reports)`` of a ``--dtype`` / ``--drafter-dtype`` value on ``device``.
+
+    ``auto``: :func:`dflash2_hf.target_dtype` (the same rule as :func:`dflash2_hf.drafting_dtype`), labelled with the
+    reason, e.g. ``"fp32 (auto: no native bf16 on this CPU)"``; explicit values are kept (``"fp32"``, ``"bf16"``;
+    ``"bf16 (explicit; no native bf16 on this CPU: emulated, slower than fp32)"`` where the device lacks it).
+
+    Raises:
+        ValueError: ``spec`` is not one of :data:`DTYPES`.
+    """
     import torch
 
-    from ..generation import drafting_dtype
+    from ..generation.precision import auto_dtype_label, bf16_support, target_dtype
 
     if spec == "auto":
-        dtype = drafting_dtype(device)
-    else:
-        dtype = torch.bfloat16 if spec in ("bf16", "bfloat16") else torch.float32
-    label = "bf16" if dtype == torch.bfloat16 else "fp32"
-    return dtype, f"{label} (auto)" if spec == "auto" else label
+        return target_dtype(device), auto_dtype_label(device)
+    if spec not in DTYPES:
+        raise ValueError(f"unknown dtype {spec!r}; choose from {', '.join(DTYPES)}")
+    if spec in ("fp32", "float32"):
+        return torch.float32, "fp32"
+    native, reason = bf16_support(device)
+    return torch.bfloat16, "bf16" if native else f"bf16 (explicit; {reason}: emulated, slower than fp32)"
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -16,10 +16,11 @@ from transformers import TextStreamer
 from . import (
     add_device_argument,
     add_drafter_dtype_argument,
+    add_dtype_argument,
     non_negative,
     probability,
     resolve_device,
-    resolve_drafter_dtype,
+    resolve_dtype,
 )
 
 DEFAULT_DRAFTER = "model_cards/dflash2-smollm2-135m-instruct"
@@ -39,6 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(selector, or top-k softmax with --no-selector) is below this value "
                              "(drafter.generation_config.assistant_confidence_threshold; default 0 = full blocks). "
                              "Saves verification work where it grows with the block (CPUs)")
+    add_dtype_argument(parser, "auto")
     add_drafter_dtype_argument(parser, "auto", "auto")
     add_device_argument(parser, "the target and the drafter")
     parser.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: torch's default)")
@@ -75,8 +77,12 @@ def run(args: argparse.Namespace) -> int:
 
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
-    target, tokenizer = load_target(args.target, device=resolve_device(args.device))
-    drafter = load_drafter(args.drafter, target, dtype=resolve_drafter_dtype(args.drafter_dtype, target.device)[0])
+    device = resolve_device(args.device)
+    dtype, dtype_label = resolve_dtype(args.dtype, device)
+    drafter_dtype, drafter_dtype_label = resolve_dtype(args.drafter_dtype, device)
+    print(f"target dtype: {dtype_label}; drafter dtype: {drafter_dtype_label}; device: {device}")
+    target, tokenizer = load_target(args.target, dtype=dtype, device=device)
+    drafter = load_drafter(args.drafter, target, dtype=drafter_dtype)
     drafter.use_selector = not args.no_selector
     drafter.generation_config.assistant_confidence_threshold = args.confidence_threshold or None
     ids = prompt_ids(tokenizer, args.prompt).to(target.device)
@@ -108,4 +114,11 @@ def run(args: argparse.Namespace) -> int:
               f"speedup {(new / spec_s) / (ref_new / plain_s):.2f}x")
         if not sampling["do_sample"]:
             print("greedy outputs identical:", torch.equal(ref, out))
+            if not torch.equal(ref, out):
+                from ..bench.fidelity import describe, explain_divergences
+
+                found = explain_divergences(target, ids, ref[0, ids.shape[1]:].tolist(),
+                                            {"dflash2": out[0, ids.shape[1]:].tolist()}, kw)
+                print(f"first divergence: {describe(found['dflash2'])}")
+                return 0 if found["dflash2"].near_tie else 1
     return 0

@@ -1,6 +1,9 @@
-"""Which dtype to draft in: bf16 only where the hardware computes it natively.
+"""Which dtype to draft and verify in: bf16 only where the hardware computes it natively.
 
-Drafting precision never changes the output (the target verifies every draft), only its cost. bf16 halves the weight
+One probe (:func:`bf16_support`) decides both the drafter's dtype (:func:`drafting_dtype`) and the target's
+(:func:`target_dtype`). Drafting precision never changes the output (the target verifies every draft), only its cost;
+the target's precision does: in bf16 a forward over several tokens rounds differently from one token at a time, so
+greedy outputs may part at near-ties (``dflash2_hf.bench.fidelity`` classifies each such divergence). bf16 halves the weight
 traffic, which pays on GPUs with bf16 support and on CPUs with bf16 instructions (AVX512-BF16, AMX); on CPUs without
 them torch converts every bf16 matmul to fp32 and back, which costs more than fp32 itself. Measured with
 ``examples/cost_curve.py`` on an AVX2-only AMD EPYC (2 cores, torch 2.13): one drafter proposal of a full block of 8
@@ -15,29 +18,75 @@ from transformers.utils import logging
 logger = logging.get_logger(__name__)
 
 
-def has_native_bf16(device: torch.device | str) -> bool:
-    """Whether ``device`` computes bfloat16 matmuls natively.
+_CPU_PROBES = (("_is_amx_tile_supported", "AMX"), ("_is_avx512_bf16_supported", "AVX512-BF16"))
+
+
+def _gpu_name(index: int) -> str:
+    try:
+        return torch.cuda.get_device_name(index)
+    except Exception:  # a driver that answers the capability but not the name
+        return f"GPU {index}"
+
+
+def bf16_support(device: torch.device | str) -> tuple[bool, str]:
+    """Whether ``device`` computes bfloat16 matmuls natively, and why, e.g. ``(False, "no native bf16 on this CPU")`` (no
+    AVX512-BF16, no AMX) or ``(True, "native bf16 on NVIDIA H200, compute capability 9.0")``.
 
     CUDA: compute capability 8.0 or newer (Ampere on) of that very GPU; ROCm: True. (Not
-    ``torch.cuda.is_bf16_supported()``: it also says yes where bf16 is only emulated, and checks the current GPU.) CPU: AVX512-BF16 or AMX tiles, as torch reports them
-    (``torch.cpu._is_avx512_bf16_supported`` / ``_is_amx_tile_supported``; False where this torch lacks those probes).
-    Other device types: True (their own kernels decide; bf16 is the usual serving dtype there).
+    ``torch.cuda.is_bf16_supported()``: it also says yes where bf16 is only emulated, and checks the current GPU.)
+    CPU: AMX tiles or AVX512-BF16, as torch reports them (``torch.cpu._is_amx_tile_supported`` /
+    ``_is_avx512_bf16_supported``; False where this torch lacks both probes). Other device types: True (their own
+    kernels decide; bf16 is the usual serving dtype there). Never raises for a valid device string.
     """
     device = torch.device(device)
     if device.type == "cuda":
         if not torch.cuda.is_available():
-            return False
+            return False, "torch sees no CUDA GPU"
         index = device.index if device.index is not None else torch.cuda.current_device()
-        return bool(torch.version.hip) or torch.cuda.get_device_capability(index) >= (8, 0)
+        if torch.version.hip:
+            return True, f"native bf16 on {_gpu_name(index)}, ROCm"
+        major, minor = torch.cuda.get_device_capability(index)
+        if (major, minor) >= (8, 0):
+            return True, f"native bf16 on {_gpu_name(index)}, compute capability {major}.{minor}"
+        return False, f"no native bf16 on {_gpu_name(index)}, compute capability {major}.{minor} < 8.0"
     if device.type == "cpu":
-        probes = (getattr(torch.cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
-        return any(probe() for probe in probes if probe is not None)
-    return True
+        probes = [(getattr(torch.cpu, name, None), label) for name, label in _CPU_PROBES]
+        for probe, label in probes:
+            if probe is not None and probe():
+                return True, f"{label} on this CPU"
+        if all(probe is None for probe, _ in probes):
+            return False, f"torch {torch.__version__} cannot tell whether this CPU has bf16 instructions"
+        return False, "no native bf16 on this CPU"
+    return True, f"bf16 assumed native on {device.type}"
+
+
+def has_native_bf16(device: torch.device | str) -> bool:
+    """Whether ``device`` computes bfloat16 matmuls natively (:func:`bf16_support` without the reason)."""
+    return bf16_support(device)[0]
 
 
 def drafting_dtype(device: torch.device | str) -> torch.dtype:
     """The cheaper drafter dtype on ``device``: ``torch.bfloat16`` where :func:`has_native_bf16`, else ``torch.float32``."""
     return torch.bfloat16 if has_native_bf16(device) else torch.float32
+
+
+def target_dtype(device: torch.device | str) -> torch.dtype:
+    """The faster target dtype on ``device``: ``torch.bfloat16`` where :func:`has_native_bf16`, else
+    ``torch.float32`` (the same rule as :func:`drafting_dtype`; ``--dtype auto`` of the CLI).
+
+    Unlike the drafter's, the target's dtype matters for the output: greedy decoding with a drafter is token-for-token
+    identical to plain greedy decoding in float32; in bfloat16 it is identical up to near-ties (see docs/bench.md,
+    "Fidelity in bf16"). On CPUs without bf16 instructions torch emulates bf16, slower than float32: there the answer
+    is float32. ``device``: a ``torch.device`` or its string (``"cpu"``, ``"cuda:1"``).
+    """
+    return torch.bfloat16 if has_native_bf16(device) else torch.float32
+
+
+def auto_dtype_label(device: torch.device | str) -> str:
+    """What ``--dtype auto`` resolves to on ``device`` and why, for reports: e.g.
+    ``"fp32 (auto: no native bf16 on this CPU)"`` or ``"bf16 (auto: AMX on this CPU)"``."""
+    native, reason = bf16_support(device)
+    return f"{'bf16' if native else 'fp32'} (auto: {reason})"
 
 
 def warn_if_emulated_bf16(drafter) -> None:
@@ -51,4 +100,5 @@ def warn_if_emulated_bf16(drafter) -> None:
         )
 
 
-__all__ = ["drafting_dtype", "has_native_bf16", "warn_if_emulated_bf16"]
+__all__ = ["auto_dtype_label", "bf16_support", "drafting_dtype", "has_native_bf16", "target_dtype",
+           "warn_if_emulated_bf16"]
