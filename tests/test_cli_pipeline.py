@@ -6,26 +6,19 @@ from __future__ import annotations
 import json
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM
 
 from dflash2_hf import DFlash2DraftModel
 from dflash2_hf.cli import main
 from dflash2_hf.lora import load_adapter
-from test_data import _tiny_tokenizer
+from test_data import _tiny_tokenizer, tiny_chat_target_folder
 
 
 def test_prepare_train_lora_generate(tmp_path, monkeypatch):
     monkeypatch.setenv("DFLASH2_CACHE", str(tmp_path / "cache"))
     tok = _tiny_tokenizer()
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=6,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-                      bos_token_id=1, eos_token_id=2, pad_token_id=2, tie_word_embeddings=False)
-    target = LlamaForCausalLM(cfg).eval()
-    target.generation_config.eos_token_id = target.generation_config.pad_token_id = 2
-    target.save_pretrained(tmp_path / "target")
-    tok.save_pretrained(tmp_path / "target")
-    t = str(tmp_path / "target")
+    t = tiny_chat_target_folder(tmp_path / "target")
+    target = AutoModelForCausalLM.from_pretrained(t).eval()
 
     assert main(["prepare-data", "--target", t, "--out", str(tmp_path / "data"), "--start", "0", "--stop", "12",
                  "--batch-size", "4", "--max-new-tokens", "24", "--max-prompt-tokens", "4000", "--no-progress"]) == 0

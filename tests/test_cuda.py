@@ -132,30 +132,15 @@ def test_bf16_fidelity_every_divergence_is_a_near_tie():
     assert results["calibration"]["num_prompts"] == 6
 
 
-def _tiny_target_folder(path):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from test_data import _tiny_tokenizer
-
-    tok = _tiny_tokenizer()
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=6,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-                      bos_token_id=1, eos_token_id=2, pad_token_id=2, tie_word_embeddings=False)
-    target = LlamaForCausalLM(cfg).eval()
-    target.generation_config.eos_token_id = target.generation_config.pad_token_id = 2
-    target.save_pretrained(path)
-    tok.save_pretrained(path)
-    return str(path)
-
-
 def test_bench_command_on_the_device(tmp_path):
     """`dflash2 bench --device DEVICE` on two prompts, fp32 (all identical) and --dtype auto with the fp32
     calibration (no divergence may be a bug)."""
     from dflash2_hf.cli import main
     from dflash2_hf.generation import auto_dtype_label
 
-    target = _tiny_target_folder(tmp_path / "target")
+    from test_data import tiny_chat_target_folder
+
+    target = tiny_chat_target_folder(tmp_path / "target")
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("hello there", "how are you")))
     common = ["bench", "--target", target, "--drafter", "fresh", "--datasets", str(prompts), "--num-prompts", "2",

@@ -75,6 +75,22 @@ def _tiny_llama(vocab_size: int, seed: int = 0, always_eos: bool = False):
     return model
 
 
+def tiny_chat_target_folder(path) -> str:
+    """A tiny random 6-layer Llama + the character-level chat tokenizer saved as a transformers folder (a --target)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tok = _tiny_tokenizer()
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                      bos_token_id=1, eos_token_id=EOS, pad_token_id=EOS, tie_word_embeddings=False)
+    target = LlamaForCausalLM(cfg).eval()
+    target.generation_config.eos_token_id = target.generation_config.pad_token_id = EOS
+    target.save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path)
+
+
 @pytest.fixture(scope="module")
 def tiny():
     tok = _tiny_tokenizer()

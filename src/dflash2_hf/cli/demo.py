@@ -18,8 +18,6 @@ from . import (
     add_drafter_dtype_argument,
     add_dtype_argument,
     probability,
-    resolve_device,
-    resolve_dtype,
 )
 from .generate import DEFAULT_DRAFTER
 
@@ -45,19 +43,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from ..bench import BenchSettings, load_bench_prompts, run_benchmark
     from ..bench.fidelity import describe
-    from ..targets import load_target
-    from .generate import load_drafter
+    from .generate import load_target_and_drafter
 
-    import torch
-
-    if args.num_threads:
-        torch.set_num_threads(args.num_threads)
-    device = resolve_device(args.device)
-    dtype, dtype_label = resolve_dtype(args.dtype, device)
-    drafter_dtype, drafter_dtype_label = resolve_dtype(args.drafter_dtype, device)
-    print(f"target dtype: {dtype_label}; drafter dtype: {drafter_dtype_label}; device: {device}")
-    target, tokenizer = load_target(args.target, dtype=dtype, device=device)
-    drafter = load_drafter(args.drafter, target, dtype=drafter_dtype)
+    target, tokenizer, drafter, (dtype_label, drafter_dtype_label) = load_target_and_drafter(args)
+    device = target.device
     prompts, _ = load_bench_prompts(args.datasets.split(","), tokenizer, num_prompts=args.num_prompts)
     methods = ("plain", "dflash2") + (("dflash2_dynamic",) if args.confidence_threshold else ())
     settings = BenchSettings(max_new_tokens=args.max_new_tokens, methods=methods,

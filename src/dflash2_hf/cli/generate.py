@@ -72,7 +72,9 @@ def prompt_ids(tokenizer, text: str) -> torch.LongTensor:
     return tokenizer(text, return_tensors="pt")["input_ids"]
 
 
-def run(args: argparse.Namespace) -> int:
+def load_target_and_drafter(args: argparse.Namespace):
+    """``(target, tokenizer, drafter, dtype labels)`` from ``--target/--drafter/--dtype/--drafter-dtype/--device/
+    --num-threads`` (the set-up ``generate`` and ``demo`` share); prints the resolved dtypes and device."""
     from ..targets import load_target
 
     if args.num_threads:
@@ -83,6 +85,11 @@ def run(args: argparse.Namespace) -> int:
     print(f"target dtype: {dtype_label}; drafter dtype: {drafter_dtype_label}; device: {device}")
     target, tokenizer = load_target(args.target, dtype=dtype, device=device)
     drafter = load_drafter(args.drafter, target, dtype=drafter_dtype)
+    return target, tokenizer, drafter, (dtype_label, drafter_dtype_label)
+
+
+def run(args: argparse.Namespace) -> int:
+    target, tokenizer, drafter, _ = load_target_and_drafter(args)
     drafter.use_selector = not args.no_selector
     drafter.generation_config.assistant_confidence_threshold = args.confidence_threshold or None
     ids = prompt_ids(tokenizer, args.prompt).to(target.device)
