@@ -21,7 +21,7 @@ from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
 from conftest import make_drafter, randomize_convs, randomize_selector
-from dflash2_hf import DFlash2Config, DFlash2DraftModel
+from dflash2_hf import CheckpointError, DFlash2Config, DFlash2DraftModel
 from dflash2_hf.masking import LayerAttention, drafter_cache, parse_layer_types
 from dflash2_hf.published import published_target_layer_ids
 
@@ -391,6 +391,17 @@ def test_train_cli_chooses_the_attention_layout(targets):
     ({"dflash_config": {"mask_token_id": None}}, "lacks `mask_token_id`"),
     ({"dflash_config": {"mask_token_id": None, "mask_token": "<|MASK|>"}}, "names the token '<|MASK|>'"),
     ({"layer_types": ["chunked_attention", S]}, "chunked_attention"),
+    ({"layer_types": ["chunked_attention", FULL]}, r"layer_types \['chunked_attention'\] are not supported"),
+    ({"is_causal": "false"}, "is_causal='false': it must be true, false or null"),
+    ({"dflash_config": {"causal": "no"}}, "dflash_config.causal='no': it must be true, false or null"),
+    ({"dflash_config": {"mask_token_id": "3"}}, "mask_token_id='3' must be an integer"),
+    ({"dflash_config": {"block_size": "6"}}, "block_size='6' must be an integer"),
+    ({"num_target_layers": "6"}, "num_target_layers='6' must be an integer"),
+    ({"dflash_config": {"target_layer_ids": ["1", 3]}}, r"target_layer_ids=\['1', 3\] must be a list of integer"),
+    ({"rope_theta": "1000000"}, "rope_theta='1000000' .* must be a positive number"),
+    ({"hidden_act": "bogus"}, "hidden_act='bogus' is not an activation"),
+    ({"architectures": "DFlash2DraftModel"}, "architectures='DFlash2DraftModel': it must be a list"),
+    ({"rope_scaling": {"factor": 2.0}}, r"give \['factor'\] but no rope type.*add \"rope_type\""),
 ])
 def test_unsupported_fields_are_clear_errors(targets, tmp_path, change, message):
     drafter = _base(targets["qwen3"])
@@ -403,6 +414,76 @@ def test_unsupported_fields_are_clear_errors(targets, tmp_path, change, message)
             config[key] = value
     with pytest.raises(Exception, match=message):
         _load(tmp_path, drafter, config)
+
+
+@pytest.mark.parametrize("change,unused,field", [
+    ({"dflash_config": {"conv_kernel_size": None}}, "attention_conv", "dflash_config.conv_kernel_size"),
+    ({"dflash_config": {"selector_rank": None}}, "candidate_selector", "dflash_config.selector_rank"),
+    ({"architectures": ["DFlashDraftModel"]}, "candidate_selector", r'architectures \["DFlash2DraftModel"\]'),
+])
+def test_weights_the_config_does_not_use_are_refused(targets, tmp_path, change, unused, field):
+    drafter = _base(targets["qwen3"])
+    config = _published(drafter.config, **{k: v for k, v in change.items() if k != "dflash_config"})
+    config["dflash_config"] = {k: v for k, v in {**config["dflash_config"], **change.get("dflash_config", {})}.items()
+                               if v is not None}
+    with pytest.raises(CheckpointError, match=f"does not use: .*{unused}.*{field}"):
+        _load(tmp_path, drafter, config)
+
+
+def test_fc_of_another_layer_count_names_target_layer_ids_and_the_rule(targets, tmp_path):
+    drafter = _base(targets["qwen3"], target_layer_ids=[1, 2, 3])  # the rule gives [1, 3] for 2 layers on 6
+    config = _published(drafter.config)
+    del config["dflash_config"]["target_layer_ids"]
+    with pytest.raises(CheckpointError, match=r"target_layer_ids=\[1, 3\] gives 2 x 64, the file's reads 192 \(3 "
+                                              r"layers\).*round\(1 \+ i \* \(L - 4\) / \(n - 1\)\); here L=6, n=2"
+                                              r".*set dflash_config.target_layer_ids"):
+        _load(tmp_path, drafter, config)
+
+
+def test_published_load_does_not_warn_about_the_qwen3_model_type(targets, tmp_path, monkeypatch):
+    from transformers import configuration_utils
+
+    warnings = []
+    monkeypatch.setattr(configuration_utils.logger, "warning", lambda msg, *a, **k: warnings.append(str(msg)))
+    drafter = _base(targets["qwen3"])
+    _load(tmp_path, drafter, _published(drafter.config))
+    assert not [w for w in warnings if "to instantiate a model of type" in w]
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"is_causal": "false"}, "is_causal='false' must be true, false or null"),
+    ({"mask_token_id": "3"}, "mask_token_id='3' must be an integer"),
+    ({"rope_theta": "1e6"}, "rope_theta='1e6'"),
+    ({"rope_scaling": {"factor": 2.0}}, "no rope type"),
+    ({"hidden_act": "bogus"}, "hidden_act='bogus'"),
+])
+def test_wrongly_typed_fields_of_our_config(kwargs, message):
+    with pytest.raises(Exception, match=message):
+        DFlash2Config(**kwargs)
+
+
+def test_rope_scaling_alone_takes_our_default_theta():
+    rope = DFlash2Config(rope_scaling={"rope_type": "linear", "factor": 2.0}).rope_parameters
+    assert rope == {"rope_type": "linear", "factor": 2.0, "rope_theta": 100000.0}
+
+
+@pytest.mark.parametrize("rope,legacy_scaling", [
+    (None, None),
+    ({"rope_type": "yarn", "factor": 2.0, "rope_theta": 1e6, "original_max_position_embeddings": 256},
+     {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 256}),
+])
+def test_published_save_writes_the_legacy_rope_keys_too(targets, tmp_path, rope, legacy_scaling):
+    drafter = _base(targets["qwen3"], **({"rope_parameters": rope} if rope else {}))
+    drafter.save_pretrained_published(tmp_path / "published")
+    path = tmp_path / "published" / "config.json"
+    saved = json.loads(path.read_text())
+    expected = drafter.config.rope_parameters
+    assert (saved["rope_theta"], saved["rope_scaling"]) == (expected["rope_theta"], legacy_scaling)
+    assert saved["rope_parameters"] == expected
+    assert DFlash2DraftModel.from_pretrained(tmp_path / "published").config.rope_parameters == expected
+    del saved["rope_parameters"]  # what a transformers 4.x reader reads
+    path.write_text(json.dumps(saved))
+    assert DFlash2DraftModel.from_pretrained(tmp_path / "published").config.rope_parameters == expected
 
 
 def test_neutral_values_of_other_readers_fields_load(targets, tmp_path):

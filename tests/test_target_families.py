@@ -11,7 +11,7 @@ import transformers as tf
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-from dflash2_hf import DFlash2Config, DFlash2DraftModel, TargetConfigError
+from dflash2_hf import DFlash2Config, DFlash2DraftModel, TargetConfigError, UnsupportedGenerationError
 from dflash2_hf.target_config import drafter_sizes, lookup, text_config
 from conftest import Oracle
 
@@ -112,6 +112,14 @@ def test_a_missing_size_is_named_with_its_override():
         drafter_sizes(SimpleNamespace(hidden_size=64, num_attention_heads=4), 64)
     with pytest.raises(TargetConfigError, match="not divisible by 5 attention heads.*head_dim="):
         drafter_sizes(SimpleNamespace(hidden_size=64, num_attention_heads=5, num_hidden_layers=6), 64)
+
+
+def test_stateful_targets_are_refused_up_front():
+    torch.manual_seed(0)
+    mamba = tf.MambaForCausalLM(tf.MambaConfig(hidden_size=32, num_hidden_layers=2, vocab_size=96, state_size=4))
+    with pytest.raises(UnsupportedGenerationError, match=r"MambaForCausalLM is a stateful.*Mamba, RWKV.*cannot be "
+                                                         "served by assisted decoding"):
+        DFlash2DraftModel.from_target(mamba, num_attention_heads=4)
 
 
 def test_every_causal_lm_config_gets_drafter_sizes_or_a_clear_error():

@@ -17,10 +17,25 @@ from typing import Any
 
 from huggingface_hub.dataclasses import strict
 from transformers import PreTrainedConfig
+from transformers.activations import ACT2FN
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from .masking import LAYER_TYPES, SLIDING_ATTENTION
+from .masking import SLIDING_ATTENTION, check_layer_types
 from .published import published_target_layer_ids, to_published, translate_published
+
+
+# Integer fields (None allowed only for the optional ones): a string or float from a hand-written config.json would
+# otherwise fail later with a bare TypeError, or silently index with a float.
+_INT_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+               "max_position_embeddings", "num_target_layers", "block_size", "mask_token_id", "conv_kernel_size",
+               "conv_group_size", "selector_top_k", "selector_rank")
+_OPTIONAL_INT_FIELDS = ("num_key_value_heads", "head_dim", "target_hidden_size", "draft_vocab_size", "sliding_window")
+# Keys of a default rope dict; any other (factor, ...) means a scaling whose rope type was left out.
+_DEFAULT_ROPE_KEYS = {"rope_type", "type", "rope_theta"}
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def default_target_layer_ids(num_target_layers: int, num_layers: int = 5) -> list[int]:
@@ -81,15 +96,18 @@ class DFlash2Config(PreTrainedConfig):
             None (the DFlash default).
         rope_parameters (`dict`, *optional*): ``transformers``' rope dict (``rope_type`` one of ``"default"`` and
             ``ROPE_INIT_FUNCTIONS``: linear, dynamic, yarn, longrope, llama3, ...); the 4.x keys ``rope_theta`` /
-            ``rope_scaling`` are accepted too and standardised by ``transformers``. Default: ``{"rope_type":
-            "default", "rope_theta": 100000.0}``.
+            ``rope_scaling`` are accepted too and standardised by ``transformers`` (a ``rope_scaling`` must name
+            its ``rope_type``). Default: ``{"rope_type": "default", "rope_theta": 100000.0}``; ``rope_theta``
+            defaults to 100000.0 when only ``rope_scaling`` is given.
         Other fields (heads, norms, MLP width) follow ``transformers``' Qwen3 config.
 
     Raises:
-        ValueError: on init, a field value that cannot work (see :meth:`validate_drafter`).
+        ValueError: on init, a field value that cannot work (see :meth:`validate_drafter`), or of the wrong type
+            (a string where an integer, a boolean or a number belongs).
     """
 
     model_type = "dflash2"
+    default_theta = 100000.0  # transformers' rope standardisation default, when rope_theta is not given
 
     vocab_size: int = 49152
     hidden_size: int = 576
@@ -149,6 +167,7 @@ class DFlash2Config(PreTrainedConfig):
     weights_sha256: str | None = None
 
     def __post_init__(self, **kwargs):
+        self._validate_types()  # the defaults below compute with these
         if self.head_dim is None:
             self.head_dim = self.hidden_size // self.num_attention_heads
         if self.num_key_value_heads is None:
@@ -158,15 +177,19 @@ class DFlash2Config(PreTrainedConfig):
         if self.target_layer_ids is None:
             self.target_layer_ids = default_target_layer_ids(self.num_target_layers)
         if self.rope_parameters is None and not any(k in kwargs for k in ("rope_theta", "rope_scaling")):
-            self.rope_parameters = {"rope_type": "default", "rope_theta": 100000.0}
+            self.rope_parameters = {"rope_type": "default", "rope_theta": self.default_theta}
         super().__post_init__(**kwargs)  # standardises legacy rope_theta / rope_scaling into rope_parameters
 
     def validate_drafter(self):
         """Checks the drafter's own shapes (called by ``@strict`` on init and save).
 
         Raises:
-            ValueError: a shape or id that cannot work, naming the field and the fix.
+            ValueError: a shape, id, type or activation that cannot work, naming the field and the fix.
         """
+        self._validate_types()
+        if self.hidden_act not in ACT2FN:
+            raise ValueError(f"hidden_act={self.hidden_act!r} is not an activation transformers knows; use one of "
+                             f"{sorted(ACT2FN)[:12]} ... (Qwen3 drafters use 'silu').")
         if self.block_size < 2:
             raise ValueError(f"block_size must be >= 2 (anchor + at least one draft slot), got {self.block_size}.")
         if not 0 <= self.mask_token_id < self.vocab_size:
@@ -193,6 +216,20 @@ class DFlash2Config(PreTrainedConfig):
         self._validate_rope()
         self._validate_attention()
 
+    def _validate_types(self):
+        for name in _INT_FIELDS + _OPTIONAL_INT_FIELDS:
+            value = getattr(self, name)
+            if not (_is_int(value) or (value is None and name in _OPTIONAL_INT_FIELDS)):
+                raise ValueError(f"{name}={value!r} must be an integer, got {type(value).__name__}: write it as a "
+                                 "JSON number without quotes or decimals.")
+        ids = self.target_layer_ids
+        if ids is not None and not (isinstance(ids, (list, tuple)) and all(_is_int(i) for i in ids)):
+            raise ValueError(f"target_layer_ids={ids!r} must be a list of integer target-layer indices, e.g. "
+                             "[1, 9, 17].")
+        if self.is_causal is not None and not isinstance(self.is_causal, bool):
+            raise ValueError(f"is_causal={self.is_causal!r} must be true, false or null (a boolean, not a "
+                             f"{type(self.is_causal).__name__}).")
+
     def _validate_rope(self):
         rope = self.rope_parameters or {}
         nested = sorted(k for k, v in rope.items() if isinstance(v, dict))
@@ -207,6 +244,17 @@ class DFlash2Config(PreTrainedConfig):
                 f"Unknown rope type {rope_type!r} in rope_parameters (or rope_scaling); transformers builds "
                 f"{sorted(['default', *ROPE_INIT_FUNCTIONS])}."
             )
+        theta = rope.get("rope_theta")
+        if not isinstance(theta, (int, float)) or isinstance(theta, bool) or theta <= 0:
+            raise ValueError(f"rope_theta={theta!r} (in rope_parameters, or the top-level rope_theta) must be a "
+                             "positive number: write it without quotes, e.g. 1000000.0.")
+        stray = sorted(set(rope) - _DEFAULT_ROPE_KEYS)
+        if rope_type == "default" and stray:
+            raise ValueError(
+                f"The rope settings {rope} give {stray} but no rope type, so they would be read as the default rope "
+                "(which ignores them): add \"rope_type\" (e.g. \"linear\", \"dynamic\", \"yarn\", \"llama3\") to "
+                "rope_scaling / rope_parameters, or remove those keys."
+            )
 
     def _validate_attention(self):
         if self.layer_types is not None:
@@ -215,9 +263,7 @@ class DFlash2Config(PreTrainedConfig):
                     f"layer_types has {len(self.layer_types)} entries for num_hidden_layers={self.num_hidden_layers}: "
                     "give one per drafter layer."
                 )
-            bad = sorted({t for t in self.layer_types if t not in LAYER_TYPES})
-            if bad:
-                raise ValueError(f"layer_types {bad} are not supported by the drafter; use {list(LAYER_TYPES)}.")
+            check_layer_types(self.layer_types)
         if self.sliding_window is not None:
             if isinstance(self.sliding_window, bool) or self.sliding_window < 1:
                 raise ValueError(f"sliding_window must be a positive number of positions, got {self.sliding_window!r}.")
@@ -233,6 +279,18 @@ class DFlash2Config(PreTrainedConfig):
         return self.block_size - 1
 
     # ------------------------------------------------------------------ published format
+    @classmethod
+    def get_config_dict(cls, pretrained_model_name_or_path, **kwargs):
+        """``PreTrainedConfig.get_config_dict``, with a published-format dict already translated to our fields.
+
+        So ``from_pretrained`` sees our own layout and does not warn that a ``qwen3`` config instantiates a
+        ``dflash2`` one (the published format is a supported input, not a mismatch).
+        """
+        config_dict, kwargs = super().get_config_dict(pretrained_model_name_or_path, **kwargs)
+        if "dflash_config" in config_dict:
+            config_dict = cls.translate_published(config_dict)
+        return config_dict, kwargs
+
     @classmethod
     def from_dict(cls, config_dict: dict[str, Any], **kwargs):
         """Builds a config from our flat dict or from the published DFlash/DFlash2 (Qwen3 + ``dflash_config``) dict."""
@@ -253,8 +311,9 @@ class DFlash2Config(PreTrainedConfig):
         translate_published`, DESIGN.md section 6).
 
         Raises:
-            ValueError: an unknown architecture, no ``num_target_layers`` / ``mask_token_id``, a field we do not
-                implement, or contradicting ``is_causal`` / ``dflash_config.causal``.
+            ValueError: an unknown architecture, no ``num_target_layers`` / ``mask_token_id``, a field or layer
+                type we do not implement, or an ``is_causal`` / ``dflash_config.causal`` that is not a boolean or
+                that contradict each other.
         """
         return translate_published(config_dict, set(DFlash2Config.__dataclass_fields__))
 

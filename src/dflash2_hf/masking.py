@@ -58,6 +58,17 @@ def layer_attention(config) -> list[LayerAttention]:
     return rules
 
 
+def check_layer_types(layer_types) -> None:
+    """Refuses any layer type other than :data:`LAYER_TYPES` (e.g. ``"chunked_attention"``), naming it.
+
+    Raises:
+        ValueError: an unsupported type (the drafter would otherwise attend as some other layer does).
+    """
+    bad = sorted({str(t) for t in layer_types if t not in LAYER_TYPES})
+    if bad:
+        raise ValueError(f"layer_types {bad} are not supported by the drafter; use {list(LAYER_TYPES)}.")
+
+
 def parse_layer_types(text: str, num_layers: int) -> list[str]:
     """``"sliding,full"``-style text (``full`` / ``sliding`` or the full type names, once for every layer or once per
     layer) as a ``layer_types`` list of ``num_layers`` entries.
@@ -187,5 +198,5 @@ def drafter_cache(config) -> DynamicCache:
     return DrafterCache(config)
 
 
-__all__ = ["AttentionMasks", "DrafterCache", "LAYER_TYPES", "LayerAttention", "drafter_cache", "layer_attention",
-           "parse_layer_types", "visibility"]
+__all__ = ["AttentionMasks", "DrafterCache", "LAYER_TYPES", "LayerAttention", "check_layer_types", "drafter_cache",
+           "layer_attention", "parse_layer_types", "visibility"]

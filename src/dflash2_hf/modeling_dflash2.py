@@ -34,12 +34,13 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwe
 from transformers.utils import ModelOutput, logging
 
 from .configuration_dflash2 import DFlash2Config
-from .errors import CheckpointError, DrafterTargetMismatchError, TargetConfigError
+from .errors import CheckpointError, DrafterTargetMismatchError, TargetConfigError, UnsupportedGenerationError
 from .integrity import digest_mismatch, weights_digest
 from .masking import AttentionMasks, drafter_cache, layer_attention
 from .target_config import drafter_sizes, lookup, target_hidden_size, text_config
 
 logger = logging.get_logger(__name__)
+
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -456,7 +457,16 @@ class DFlash2DraftModel(DFlash2PreTrainedModel):
             TargetConfigError: the target's config names no attention-head or layer count (pass
                 ``num_attention_heads=`` / ``num_target_layers=``), or its LM head reads another width than its
                 embeddings give.
+            UnsupportedGenerationError: a stateful (recurrent) target (Mamba, RWKV, RecurrentGemma, Jamba, ...),
+                which assisted decoding cannot serve.
         """
+        if getattr(target, "_is_stateful", False):
+            raise UnsupportedGenerationError(
+                f"{type(target).__name__} is a stateful (recurrent) model: stateful targets (Mamba, RWKV, "
+                "recurrent and hybrid ones) cannot be served by assisted decoding (transformers refuses assisted "
+                "generation for them: their state cannot be rolled back past rejected draft tokens). Use an "
+                "attention-based target."
+            )
         tc = text_config(target)
         hidden = target.get_input_embeddings().weight.shape[1]  # the block embeddings' width = the drafter's
         head = target.get_output_embeddings().weight
@@ -545,7 +555,11 @@ class DFlash2DraftModel(DFlash2PreTrainedModel):
             CheckpointError: a weight file is truncated or corrupt (unreadable, non-finite values, or weights that
                 do not match the digest ``config.weights_sha256`` recorded by :meth:`save_pretrained`), weights are
                 missing / of the wrong shape (``transformers`` would otherwise initialise them randomly and only
-                warn), or a local folder has no ``config.json``.
+                warn; a mis-shaped ``fc.weight`` names ``target_layer_ids`` and the rule that chose them), the file
+                holds weights its own config does not use (e.g. convolution or selector tensors under a config
+                without ``conv_kernel_size`` / ``selector_rank``; the message names the field; a config override
+                passed here that leaves them unused is the caller's choice and only warns), or a local folder has
+                no ``config.json``.
         """
         from .hub import is_local_path
 
@@ -563,7 +577,7 @@ class DFlash2DraftModel(DFlash2PreTrainedModel):
                 "config=DFlash2Config(...), or re-save the drafter with save_pretrained."
             )
         want_info = kwargs.pop("output_loading_info", False)
-        kwargs.setdefault("ignore_mismatched_sizes", False)
+        kwargs["ignore_mismatched_sizes"] = True  # report mismatches by name below (refused whatever this says)
         try:
             model, info = super().from_pretrained(pretrained_model_name_or_path, *args, output_loading_info=True, **kwargs)
         except (SafetensorError, OSError, ValueError, RuntimeError) as err:
@@ -577,22 +591,27 @@ class DFlash2DraftModel(DFlash2PreTrainedModel):
                     f"Could not read the drafter weights in {os.fspath(pretrained_model_name_or_path)!r}: {text}. "
                     "The file is truncated or corrupt: download or save the drafter again."
                 ) from err
-            if "ignore_mismatched_sizes" in text:
-                raise CheckpointError(
-                    f"The drafter checkpoint {os.fspath(pretrained_model_name_or_path)!r} has weights of the wrong "
-                    "shapes for its config.json (see the size report above). Fix config.json (selector_rank, "
-                    "hidden sizes, ...) to match the weights, or re-save the drafter."
-                ) from err
             raise
         missing = [k for k in info.get("missing_keys", []) if not k.startswith("rotary_emb")]
-        mismatched = sorted(map(str, info.get("mismatched_keys", [])))
+        mismatched = sorted(info.get("mismatched_keys", []), key=str)
         if missing or mismatched:
             raise CheckpointError(
                 f"The drafter checkpoint {path!r} does not match its config: "
                 f"missing weights {sorted(missing)[:8]}{' ...' if len(missing) > 8 else ''}, "
-                f"wrong shapes {mismatched[:4]}. Re-save it with DFlash2DraftModel.save_pretrained, or fix config.json "
-                "(use_local_conv / use_candidate_selector / sizes) to match the weights."
+                f"wrong shapes {[tuple(map(str, m)) for m in mismatched[:4]]}. Re-save it with "
+                "DFlash2DraftModel.save_pretrained, or fix config.json (use_local_conv / use_candidate_selector / "
+                f"sizes) to match the weights.{_fc_hint(model.config, mismatched)}"
             )
+        unused = sorted(info.get("unexpected_keys", []))
+        overridden = kwargs.get("config") is not None or any(k in DFlash2Config.__dataclass_fields__ for k in kwargs)
+        if unused and not overridden:  # the file's own config drops them: the drafter would draft without them
+            raise CheckpointError(
+                f"The drafter checkpoint {path!r} holds weights its config does not use: {unused[:8]}"
+                f"{' ...' if len(unused) > 8 else ''}. {_unused_hint(unused)} To drop them on purpose, say so in "
+                "from_pretrained (e.g. use_local_conv=False / use_candidate_selector=False)."
+            )
+        if unused:
+            logger.warning(f"Ignoring drafter weights the config overrides leave unused: {unused[:8]}")
         bad = [n for n, p in model.named_parameters() if not torch.isfinite(p).all()]
         if bad:
             raise CheckpointError(
@@ -600,7 +619,7 @@ class DFlash2DraftModel(DFlash2PreTrainedModel):
                 "(or training diverged). Download or save the drafter again."
             )
         # The digest covers every saved tensor: a config override that left some unused cannot be compared.
-        expected = None if info.get("unexpected_keys") else model.config.weights_sha256
+        expected = None if unused else model.config.weights_sha256
         actual = digest_mismatch(model, expected, what=f"drafter weights in {path!r}")
         if actual:
             source = "the config= you passed" if kwargs.get("config") is not None else "its config.json"
@@ -610,9 +629,38 @@ class DFlash2DraftModel(DFlash2PreTrainedModel):
                 "drafter again; if you replaced the weights on purpose, re-save them with save_pretrained, or set "
                 "weights_sha256 to null in the config."
             )
-        if info.get("unexpected_keys"):
-            logger.warning(f"Ignoring unexpected weights in the drafter checkpoint: {sorted(info['unexpected_keys'])[:8]}")
         return (model, info) if want_info else model
+
+
+def _unused_hint(unused: list[str]) -> str:
+    """Which config field would use checkpoint tensors the config left out (a weight silently dropped drafts worse)."""
+    hints = []
+    if any(".attention_conv." in k or ".mlp_conv." in k for k in unused):
+        hints.append("The local-convolution weights need it enabled: in a published config architectures "
+                     "[\"DFlash2DraftModel\"] with dflash_config.conv_kernel_size (and conv_group_size); in ours "
+                     "use_local_conv: true.")
+    if any(k.startswith("candidate_selector.") for k in unused):
+        hints.append("The path-selector weights need it enabled: in a published config architectures "
+                     "[\"DFlash2DraftModel\"] with dflash_config.selector_rank (and selector_top_k); in ours "
+                     "use_candidate_selector: true.")
+    return " ".join(hints) or "Fix config.json to match the weights, or re-save the drafter with save_pretrained."
+
+
+def _fc_hint(config: DFlash2Config, mismatched) -> str:
+    """For a mis-shaped ``fc.weight``: the ``target_layer_ids`` that set its width, and the rule a published config
+    without them gets (the usual cause)."""
+    fc = next((m for m in mismatched if m[0] == "fc.weight"), None)
+    if fc is None:
+        return ""
+    ids, width = config.target_layer_ids, config.target_hidden_size
+    return (
+        f" fc.weight reads len(target_layer_ids) x target_hidden_size inputs: target_layer_ids={ids} gives "
+        f"{len(ids)} x {width}, the file's reads {fc[1][-1]} ({fc[1][-1] / width:g} layers). A published config "
+        "without target_layer_ids gets the reference's rule ([L // 2] for one drafter layer, else "
+        f"round(1 + i * (L - 4) / (n - 1)); here L={config.num_target_layers}, n={config.num_hidden_layers}): set "
+        "dflash_config.target_layer_ids (target_layer_ids in our format) to the target layers the drafter was "
+        "trained on."
+    )
 
 
 __all__ = ["DFlash2DraftModel", "DFlash2PreTrainedModel", "CandidateSelector", "GroupedDynamicCausalConv"]

@@ -6,15 +6,18 @@ A published drafter config is a Qwen3 config (``model_type: "qwen3"``) with a ne
 too: whatever ``Qwen3Config`` makes of the top level is what the drafter runs with, in particular
 
 * rope: ``rope_parameters``, or the ``rope_theta`` / ``rope_scaling`` keys of configs saved by transformers 4.x,
-  standardised by ``transformers`` itself (``Qwen3Config``'s default ``rope_theta`` 10000 when there is none);
-* attention layout: ``layer_types`` (derived from ``use_sliding_window`` / ``max_window_layers`` when absent),
-  ``sliding_window`` (None unless ``use_sliding_window``), plus ``is_causal`` (top level) or ``dflash_config.causal``;
+  standardised by ``transformers`` itself (``Qwen3Config``'s default ``rope_theta`` 10000 when there is none; a
+  ``rope_scaling`` that names no rope type is refused by DFlash2Config, not read as the default rope);
+* attention layout: ``layer_types`` (only ``"full_attention"`` / ``"sliding_attention"``; derived from
+  ``use_sliding_window`` / ``max_window_layers`` when absent), ``sliding_window`` (None unless
+  ``use_sliding_window``), plus ``is_causal`` (top level) or ``dflash_config.causal``;
 * sizes a config leaves out take ``Qwen3Config``'s defaults (e.g. ``rms_norm_eps`` 1e-6, ``head_dim`` 128).
 
 Drafting fields are read from ``dflash_config`` first, then the top level (as the reference does); defaults:
 ``block_size`` 16, ``output_multiplier`` 1, ``input_embedding_scale`` 1, no soft-capping, ``target_layer_ids`` by
-:func:`published_target_layer_ids`. ``mask_token_id`` has no default. A key we do not implement (in
-``dflash_config`` or at the top level) is a ``ValueError`` naming it, unless it holds the value that changes nothing.
+:func:`published_target_layer_ids`. ``mask_token_id`` has no default. ``is_causal`` / ``dflash_config.causal``
+must be JSON booleans (or null), and ``architectures`` a list. A key we do not implement (in ``dflash_config`` or at
+the top level) is a ``ValueError`` naming it, unless it holds the value that changes nothing.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from typing import Any
 
 from transformers import Qwen3Config
 
-from .masking import FULL_ATTENTION, SLIDING_ATTENTION
+from .masking import FULL_ATTENTION, SLIDING_ATTENTION, check_layer_types
 
 # `dflash_config` keys that map 1:1 onto DFlash2Config fields (also read from the top level).
 DFLASH_KEYS = (
@@ -75,14 +78,18 @@ def _refuse_unknown(keys: dict[str, Any], known: set[str], neutral: dict[str, An
 
 
 def _resolved_causal(top: dict[str, Any], dflash: dict[str, Any]) -> bool | None:
-    top_value, dflash_value = top.get("is_causal"), dflash.get("causal")
-    if top_value is not None and dflash_value is not None and bool(top_value) != bool(dflash_value):
+    given = {name: value for name, value in (("is_causal", top.get("is_causal")),
+                                             ("dflash_config.causal", dflash.get("causal"))) if value is not None}
+    for name, value in given.items():
+        if not isinstance(value, bool):
+            raise ValueError(f"The published DFlash config sets {name}={value!r}: it must be true, false or null (a "
+                             "JSON boolean, not a string or number); write it without quotes.")
+    if len(set(given.values())) > 1:
         raise ValueError(
-            f"The published DFlash config sets is_causal={top_value!r} but dflash_config.causal={dflash_value!r}: "
-            "they contradict each other; keep one."
+            f"The published DFlash config sets is_causal={top['is_causal']!r} but dflash_config.causal="
+            f"{dflash['causal']!r}: they contradict each other; keep one."
         )
-    value = top_value if top_value is not None else dflash_value
-    return None if value is None else bool(value)
+    return next(iter(given.values()), None)
 
 
 def translate_published(config_dict: dict[str, Any], fields: set[str]) -> dict[str, Any]:
@@ -96,14 +103,18 @@ def translate_published(config_dict: dict[str, Any], fields: set[str]) -> dict[s
         a flat dict for ``DFlash2Config.from_dict``.
 
     Raises:
-        ValueError: an unknown architecture, no ``num_target_layers`` or ``mask_token_id``, a field we do not
-            implement, or contradicting causality settings (each message names the field).
+        ValueError: an unknown architecture (or ``architectures`` not a list), no ``num_target_layers`` or
+            ``mask_token_id``, a field or layer type we do not implement, a causality setting that is not a boolean,
+            or contradicting ones (each message names the field).
     """
     top = dict(config_dict)
     dflash = top.pop("dflash_config")
     if not isinstance(dflash, dict):
         raise ValueError(f"dflash_config must be a dict, got {type(dflash).__name__}.")
     architectures = top.get("architectures") or ["DFlash2DraftModel"]
+    if not isinstance(architectures, list):
+        raise ValueError(f"The published DFlash config sets architectures={architectures!r}: it must be a list, e.g. "
+                         f"[{architectures!r}].")
     version = ARCHITECTURES.get(architectures[0])
     if version is None:
         raise ValueError(f"Unknown drafter architecture {architectures[0]!r}; expected one of {sorted(ARCHITECTURES)}.")
@@ -116,10 +127,12 @@ def translate_published(config_dict: dict[str, Any], fields: set[str]) -> dict[s
 
     # the top level exactly as the reference's Qwen3Config resolves it (rope standardisation, attention layout)
     qwen = Qwen3Config(**{k: v for k, v in top.items() if k in _QWEN3_FIELDS or k in LEGACY_ROPE_KEYS})
-    out = {k: v for k, v in top.items() if k in fields and k not in _QWEN3_FIELDS}
+    # (model_type "qwen3" describes the format, not the translated config: ours is "dflash2")
+    out = {k: v for k, v in top.items() if k in fields and k not in _QWEN3_FIELDS and k != "model_type"}
     if out.get("dtype") is None and top.get("torch_dtype") is not None:  # the 4.x name, as transformers maps it
         out["dtype"] = top["torch_dtype"]
     out.update({k: getattr(qwen, k) for k in _QWEN3_FIELDS & fields})
+    check_layer_types(qwen.layer_types)  # before collapsing an all-full list to None
     sliding = [t == SLIDING_ATTENTION for t in qwen.layer_types]
     out["layer_types"] = list(qwen.layer_types) if any(sliding) else None
     out["sliding_window"] = qwen.sliding_window if any(sliding) else None
@@ -138,8 +151,8 @@ def translate_published(config_dict: dict[str, Any], fields: set[str]) -> dict[s
                  if "mask_token" in dflash else "")
         raise ValueError(f"Published DFlash config lacks `mask_token_id` (in dflash_config or at the top level)"
                          f"{named}.")
-    if "target_layer_ids" not in out:
-        out["target_layer_ids"] = published_target_layer_ids(int(top["num_target_layers"]), qwen.num_hidden_layers)
+    if "target_layer_ids" not in out and isinstance(top["num_target_layers"], int):  # else DFlash2Config names it
+        out["target_layer_ids"] = published_target_layer_ids(top["num_target_layers"], qwen.num_hidden_layers)
     out["use_local_conv"] = version == 2 and "conv_kernel_size" in out
     out["use_candidate_selector"] = version == 2 and "selector_rank" in out
     out["architectures"] = ["DFlash2DraftModel"]
@@ -151,7 +164,9 @@ def to_published(flat: dict[str, Any], use_local_conv: bool, use_candidate_selec
 
     v1 (``DFlashDraftModel``) when both the convolution and the selector are off, else v2. The attention layout is
     written explicitly (``layer_types`` for every layer, ``use_sliding_window``, ``sliding_window``, ``is_causal``
-    when set), so ``Qwen3Config`` derives nothing.
+    when set), so ``Qwen3Config`` derives nothing. The rope is written both as ``rope_parameters`` and as the
+    legacy top-level ``rope_theta`` / ``rope_scaling`` (None for the default rope) that transformers 4.x readers
+    use; ``Qwen3Config`` reads the same rope back from either.
     """
     dflash = {k: flat[k] for k in DFLASH_KEYS}
     if not use_local_conv:
@@ -163,6 +178,9 @@ def to_published(flat: dict[str, Any], use_local_conv: bool, use_candidate_selec
     out = {k: v for k, v in flat.items() if k not in skip}
     out["layer_types"] = flat["layer_types"] or [FULL_ATTENTION] * flat["num_hidden_layers"]
     out["use_sliding_window"] = flat["sliding_window"] is not None
+    rope = dict(flat["rope_parameters"])
+    out["rope_theta"] = rope.pop("rope_theta")
+    out["rope_scaling"] = None if rope["rope_type"] == "default" else rope
     if flat["is_causal"] is None:
         out.pop("is_causal")
     out.update(

@@ -36,14 +36,15 @@ _TARGET_ONLY_ROPE_KEYS = ("partial_rotary_factor", "mrope_section", "mrope_inter
 def lookup(config, field: str):
     """The first of ``NAMES[field]`` that ``config`` sets (not None), else None.
 
-    A name whose lookup raises (per-layer configs that refuse one global value) counts as unset.
+    A name whose lookup raises (per-layer configs that refuse one global value) or that holds a per-layer list
+    counts as unset.
     """
     for name in NAMES[field]:
         try:
             value = getattr(config, name, None)
         except Exception:  # noqa: BLE001 - e.g. AmbiguousGlobalPerLayerAttributeError
             value = None
-        if value is not None and not isinstance(value, bool):
+        if value is not None and not isinstance(value, (bool, list, tuple)):
             return value
     return None
 
