@@ -92,13 +92,18 @@ def confident_prefix(confidence: torch.Tensor, threshold: float | None) -> int:
 
 
 def lm_head_for_drafter(target: PreTrainedModel, drafter) -> torch.nn.Module | torch.Tensor:
-    """The target's LM head as the drafter applies it when drafting.
+    """The target's LM head as the drafter applies it when drafting (see :func:`draft_lm_head`)."""
+    return draft_lm_head(target.get_output_embeddings(), drafter)
 
-    The rows of the drafter's draft vocabulary only (if it has one), in the drafter's dtype (a bf16 drafter on an
-    fp32 target drafts ~3x cheaper on CPUs with bf16 units, still lossless since only verification decides).
-    Such a derived weight is computed once and cached on the drafter.
+
+def draft_lm_head(head: torch.nn.Module, drafter) -> torch.nn.Module | torch.Tensor:
+    """``head`` as the drafter applies it: drafting and the training loss both use this.
+
+    The rows of the drafter's draft vocabulary only (if it has one; a ``(V_draft, H)`` tensor), in the drafter's
+    dtype (a bf16 drafter on an fp32 target drafts ~3x cheaper on CPUs with bf16 units, still lossless since only
+    verification decides); ``head`` itself when nothing needs deriving or it has a bias. Such a derived weight is
+    computed once and cached on the drafter (the head is frozen).
     """
-    head = target.get_output_embeddings()
     vocab = getattr(drafter, "draft_vocab_ids", None)
     if (head.weight.dtype == drafter.dtype and vocab is None) or getattr(head, "bias", None) is not None:
         return head
