@@ -23,6 +23,17 @@ def _cache_kwarg(model) -> str:
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
+def left_pad(contexts: list[list[int]], pad_id: int) -> tuple[torch.LongTensor, torch.LongTensor]:
+    """``(ids, mask)``, both ``(n, longest)`` int64: the contexts right-aligned after ``pad_id`` padding, 1 = token."""
+    width = max(len(c) for c in contexts)
+    ids = torch.full((len(contexts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(contexts), width), dtype=torch.long)
+    for i, c in enumerate(contexts):
+        ids[i, width - len(c):] = torch.tensor(c, dtype=torch.long)
+        mask[i, width - len(c):] = 1
+    return ids, mask
+
+
 @torch.inference_mode()
 def greedy_continue(model, contexts: list[list[int]], max_new_tokens: int, stop_ids: list[int], pad_id: int,
                     compact_below: float = 0.75) -> list[tuple[list[int], bool]]:
@@ -40,12 +51,8 @@ def greedy_continue(model, contexts: list[list[int]], max_new_tokens: int, stop_
         list of ``(ids, stopped)``; ``ids`` ends with the stop id when ``stopped``.
     """
     device = model.device
-    n, width = len(contexts), max(len(c) for c in contexts)
-    ids = torch.full((n, width), pad_id, dtype=torch.long)
-    mask = torch.zeros((n, width), dtype=torch.long)
-    for i, c in enumerate(contexts):
-        ids[i, width - len(c):] = torch.tensor(c, dtype=torch.long)
-        mask[i, width - len(c):] = 1
+    ids, mask = left_pad(contexts, pad_id)
+    n, width = ids.shape
     ids, mask = ids.to(device), mask.to(device)
     cache = StaticCache(config=model.config, max_cache_len=width + max_new_tokens)
     stops = torch.tensor(sorted(set(stop_ids)), device=device)
@@ -80,4 +87,4 @@ def greedy_continue(model, contexts: list[list[int]], max_new_tokens: int, stop_
     return [(responses[i], stopped[i]) for i in range(n)]
 
 
-__all__ = ["greedy_continue"]
+__all__ = ["greedy_continue", "left_pad"]

@@ -29,7 +29,7 @@ import os
 import time
 from pathlib import Path
 
-from .regenerate import PreparedDataError, _atomic_write_json, _scan, _validate_record, read_meta
+from .regenerate import PreparedDataError, _atomic_write_json, _get, _scan, _validate_record, read_meta
 
 DATASET_FORMAT = "dflash2-regenerated-chat-parquet"
 DATASET_FORMAT_VERSION = 1
@@ -40,12 +40,6 @@ _SHARED_KEYS = ("format_version", "target.name", "target.model_type", "target.vo
                 "target.num_hidden_layers", "chat_template.sha256", "source.dataset", "generation.do_sample",
                 "generation.max_new_tokens", "generation.max_prompt_tokens", "generation.max_turns",
                 "generation.stop_token_ids", "source.filter")
-
-
-def _get(d: dict, dotted: str):
-    for part in dotted.split("."):
-        d = d.get(part, {}) if isinstance(d, dict) else {}
-    return d if d != {} else None
 
 
 def is_dataset_folder(path: str | os.PathLike) -> bool:
@@ -94,7 +88,7 @@ def load_dataset_folder(dataset_dir: str | os.PathLike, split: str = "train") ->
 
     root = Path(dataset_dir)
     meta = read_dataset_meta(root)
-    vocab = _get(meta, "target.vocab_size")
+    vocab = _get(meta, "target.vocab_size") or None
     recs, seen = [], {}
     for path in _shard_paths(root, meta, split):
         if not path.is_file():
@@ -183,7 +177,7 @@ def export_prepared(prepared_dir: str | os.PathLike, dataset_dir: str | os.PathL
         raise ValueError(f"split {split!r}: use one of {SPLITS}")
     src, root = Path(prepared_dir), Path(dataset_dir)
     pmeta = read_meta(src)
-    per_shard, skipped = _scan(src, repair=False, allow_torn_tail=True, vocab_size=_get(pmeta, "target.vocab_size"))
+    per_shard, skipped = _scan(src, repair=False, allow_torn_tail=True, vocab_size=_get(pmeta, "target.vocab_size") or None)
     if root.exists() and is_dataset_folder(root):
         meta = read_dataset_meta(root)
         _check_same_provenance(meta["provenance"], pmeta, root)
@@ -219,7 +213,7 @@ def export_prepared(prepared_dir: str | os.PathLike, dataset_dir: str | os.PathL
         pq.write_table(table, tmp, compression="zstd", compression_level=19)
         os.replace(tmp, root / rel)
         meta["shards"].append({
-            "file": rel, "split": split, "record_range": _get(pmeta, "source.record_range"),
+            "file": rel, "split": split, "record_range": _get(pmeta, "source.record_range") or None,
             "records": len(new), "response_tokens": result["new_response_tokens"],
             "total_tokens": sum(len(r["input_ids"]) for r in new),
             "truncated_responses": sum(bool(r.get("truncated")) for r in new),

@@ -443,16 +443,12 @@ def _generate(target, contexts: list[list[int]], max_new_tokens: int, stop_ids: 
     """
     from transformers import GenerationConfig
 
-    from .greedy import greedy_continue
+    from .greedy import greedy_continue, left_pad
 
     if cache_implementation == "static":
         return greedy_continue(target, contexts, max_new_tokens, stop_ids, pad_id)
-    width = max(len(c) for c in contexts)
-    ids = torch.full((len(contexts), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(contexts), width), dtype=torch.long)
-    for i, c in enumerate(contexts):
-        ids[i, width - len(c):] = torch.tensor(c, dtype=torch.long)
-        mask[i, width - len(c):] = 1
+    ids, mask = left_pad(contexts, pad_id)
+    width = ids.shape[1]
     gen_cfg = GenerationConfig(do_sample=False, num_beams=1, max_new_tokens=max_new_tokens,
                                eos_token_id=stop_ids, pad_token_id=pad_id)
     device = target.device
