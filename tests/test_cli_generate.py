@@ -29,21 +29,25 @@ def test_generate_rejects_a_bad_threshold(value, capsys):
     assert "--confidence-threshold" in capsys.readouterr().err
 
 
-def test_demo_runs_full_blocks_and_dynamic_length(tmp_path, capsys, monkeypatch):
+def test_demo_runs_full_blocks_and_the_cost_schedule(tmp_path, capsys, monkeypatch):
     import torch
 
-    # the main job's --dtype auto on a CPU without bf16 instructions (as the AMD EPYC): fp32, said so
+    from dflash2_hf.quantization import int8_support
+
+    # the main job's --dtype auto on a CPU without bf16 instructions (as the AMD EPYC): fp32 target, int8 drafter
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False, raising=False)
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False, raising=False)
     rc = main(["demo", "--drafter", SHIPPED, "--num-prompts", "1", "--max-new-tokens", "12", "--datasets", "humaneval",
-               "--out", str(tmp_path), "--num-threads", "1"])
+               "--out", str(tmp_path), "--num-threads", "1", "--confidence-threshold", "0.7"])
     out = capsys.readouterr().out
     assert rc == 0
     assert "full blocks: tau" in out and "draft cut at confidence < 0.7: tau" in out
-    assert "target dtype: fp32 (auto: no native bf16 on this CPU); drafter dtype: fp32 (auto: " in out
-    assert out.count("identical to plain greedy: True") == 2
+    assert "draft length from the cost curve: tau" in out and "verifying n tokens costs T_verify(n)/T_decode = 1: 1.00" in out
+    drafter_label = "int8 (auto: " if int8_support("cpu")[0] else "fp32 (auto: "
+    assert f"target dtype: fp32 (auto: no native bf16 on this CPU); drafter dtype: {drafter_label}" in out
+    assert out.count("identical to plain greedy: True") == 3
     data = json.loads((tmp_path / "results.json").read_text())
-    assert {r["method"] for r in data["records"]} == {"plain", "dflash2", "dflash2_dynamic"}
+    assert {r["method"] for r in data["records"]} == {"plain", "dflash2", "dflash2_cost", "dflash2_dynamic"}
     assert all(r["identical_to_plain"] for r in data["records"])
     assert data["settings"]["confidence_threshold"] == 0.7
     assert data["meta"]["dtype"] == "fp32 (auto: no native bf16 on this CPU)"

@@ -30,6 +30,7 @@ from transformers.utils import logging
 
 from .errors import CheckpointError, DrafterTargetMismatchError
 from .integrity import digest_mismatch, weights_digest
+from .quantization import refuse_int8
 
 logger = logging.get_logger(__name__)
 
@@ -76,6 +77,7 @@ def add_lora(drafter, config: LoraConfig | None = None) -> PeftModel:
     The returned ``PeftModel`` works directly as ``assistant_model=`` in ``target.generate`` (unmerged), and
     ``merge_and_unload()`` gives back a plain :class:`~dflash2_hf.DFlash2DraftModel`.
     """
+    refuse_int8(drafter, "given a LoRA adapter")
     return get_peft_model(drafter, config or lora_config())
 
 
@@ -166,6 +168,7 @@ def load_adapter(drafter, adapter_path: str | os.PathLike, is_trainable: bool = 
             or (``strict``) other base weights of the same shapes, or ``drafter`` already carries LoRA layers.
         FileNotFoundError: a local adapter folder does not exist, or a Hub id has no reachable adapter_config.json.
         CheckpointError: the folder lacks the adapter files, or they are truncated or corrupt.
+        UnsupportedGenerationError: ``drafter`` is an int8 drafting copy (merge into the float drafter, then quantize).
 
     An adapter without ``dflash2_adapter.json`` (saved by plain ``peft``) loads with a warning: nothing can be checked.
     """
@@ -173,6 +176,7 @@ def load_adapter(drafter, adapter_path: str | os.PathLike, is_trainable: bool = 
 
     from .hub import is_local_path
 
+    refuse_int8(drafter, "given a LoRA adapter")
     path = Path(adapter_path)
     # peft injects LoRA layers into the drafter in place, so a second call on the same object would see "other
     # base weights"; say what really happened instead.

@@ -37,6 +37,7 @@ from .configuration_dflash2 import DFlash2Config
 from .errors import CheckpointError, DrafterTargetMismatchError, TargetConfigError, UnsupportedGenerationError
 from .integrity import digest_mismatch, weights_digest
 from .masking import AttentionMasks, drafter_cache, layer_attention
+from .quantization import is_quantized_linear, refuse_int8
 from .target_config import drafter_sizes, lookup, target_hidden_size, text_config
 
 logger = logging.get_logger(__name__)
@@ -338,12 +339,13 @@ class DFlash2DraftModel(DFlash2PreTrainedModel):
                 f"{len(self.config.target_layer_ids)} layers x {self.config.target_hidden_size} = {self.fc.in_features}: "
                 "pass the target's hidden states of config.target_layer_ids concatenated on the last dim."
             )
-        context = self.hidden_norm(self.fc(context_hidden_states.to(self.fc.weight.dtype)))
+        compute_dtype = self.norm.weight.dtype  # not fc's: an int8 drafting copy (dflash2_hf.quantization) has none
+        context = self.hidden_norm(self.fc(context_hidden_states.to(compute_dtype)))
         n_new = context.shape[1] + q_len
         if position_ids is None:
             past = cache.get_seq_length() if cache is not None else 0
             position_ids = torch.arange(past, past + n_new, device=noise_embeds.device).expand(b, -1)
-        hidden = noise_embeds.to(self.fc.weight.dtype)  # the target may run in another precision
+        hidden = noise_embeds.to(compute_dtype)  # the target may run in another precision
         cos, sin = self.rotary_emb(hidden, position_ids)
         if attention_mask is not None and attention_mask.dim() == 2:
             attention_mask = None if bool(attention_mask.all()) else attention_mask[:, None, None, :].bool()
@@ -372,8 +374,11 @@ class DFlash2DraftModel(DFlash2PreTrainedModel):
         """
         # a 2-D input: oneDNN picks a ~20x slower bf16 kernel for some 3-D views (a sliced block, batch 1)
         flat = hidden.reshape(-1, hidden.shape[-1])
-        weight = lm_head if isinstance(lm_head, torch.Tensor) else lm_head.weight
-        flat = flat.to(device=weight.device, dtype=weight.dtype)  # the head may sit on another GPU (device_map)
+        if is_quantized_linear(lm_head):  # an int8 draft head (dflash2_hf.quantization): float32 CPU inputs
+            flat = flat.to(device="cpu", dtype=torch.float32)
+        else:
+            weight = lm_head if isinstance(lm_head, torch.Tensor) else lm_head.weight
+            flat = flat.to(device=weight.device, dtype=weight.dtype)  # the head may sit on another GPU (device_map)
         logits = F.linear(flat, lm_head) if isinstance(lm_head, torch.Tensor) else lm_head(flat)
         logits = logits.view(*hidden.shape[:-1], logits.shape[-1])
         if self.config.output_multiplier != 1.0:
@@ -517,6 +522,7 @@ class DFlash2DraftModel(DFlash2PreTrainedModel):
         parses and holds finite numbers) is refused instead of drafting garbage. Honours a ``state_dict`` argument
         (as passed by ``Trainer``).
         """
+        refuse_int8(self, "saved")
         state_dict = kwargs.get("state_dict")
         self.config.weights_sha256 = weights_digest(state_dict if state_dict is not None else self.state_dict())
         super().save_pretrained(save_directory, *args, **kwargs)

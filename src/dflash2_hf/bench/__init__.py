@@ -21,6 +21,7 @@ import os
 
 import torch
 
+from ..quantization import quantize_drafter
 from .fidelity import annotate_records, calibrate
 from .prompts import Prompt, load_bench_prompts
 from .recorder import ForwardRecorder, per_position_rates
@@ -28,27 +29,30 @@ from .report import ALL, aggregate, environment, markdown, plot, records_to_json
 from .runner import METHOD_DESCRIPTIONS, METHODS, BenchSettings, RawRecord, generate_once, run_methods
 
 
-def load_drafter(spec: str, target, dtype: torch.dtype | None = None, **fresh_overrides):
+def load_drafter(spec: str, target, dtype: torch.dtype | None = None, int8: bool = False, **fresh_overrides):
     """``"fresh"``: an untrained drafter sized for ``target`` (:meth:`DFlash2DraftModel.from_target`, tau ~ 1,
     for trying the harness); otherwise a local folder or a Hub id (:meth:`DFlash2DraftModel.from_pretrained`).
 
-    The drafter is put on the target's device, in ``dtype`` (default: the target's), in eval mode.
+    The drafter is put on the target's device, in ``dtype`` (default: the target's), in eval mode; ``int8=True``
+    loads it in float32 and quantizes it for drafting (:func:`dflash2_hf.quantization.quantize_drafter`).
     """
     from ..modeling_dflash2 import DFlash2DraftModel
 
     param = next(target.parameters())
-    dtype = dtype or param.dtype
+    dtype = torch.float32 if int8 else dtype or param.dtype
     if spec == "fresh":
         drafter = DFlash2DraftModel.from_target(target, dtype=dtype, **fresh_overrides)
     else:  # loaded in `dtype` rather than cast after: a cast would also round the float32 rotary frequencies
         drafter = DFlash2DraftModel.from_pretrained(spec, dtype=dtype)
-    return drafter.to(param.device).eval()
+    drafter = drafter.to(param.device).eval()
+    return quantize_drafter(drafter) if int8 else drafter
 
 
 def load_adapted_drafter(spec: str, adapter_path: str | os.PathLike, target, dtype: torch.dtype | None = None,
-                         strict: bool = True):
+                         strict: bool = True, int8: bool = False):
     """The drafter ``spec`` (see :func:`load_drafter`) with the LoRA adapter at ``adapter_path`` merged into it
-    (``merge_and_unload``: no adapter overhead when drafting), in eval mode on the target's device.
+    (``merge_and_unload``: no adapter overhead when drafting), in eval mode on the target's device; ``int8``: then
+    quantized for drafting (:func:`dflash2_hf.quantization.quantize_drafter`).
 
     Raises:
         dflash2_hf.lora.AdapterMismatchError: the adapter was trained for another drafter (``strict=False``: only
@@ -57,8 +61,9 @@ def load_adapted_drafter(spec: str, adapter_path: str | os.PathLike, target, dty
     """
     from ..lora import load_adapter
 
-    base = load_drafter(spec, target, dtype=dtype)
-    return load_adapter(base, adapter_path, strict=strict).merge_and_unload().eval()
+    base = load_drafter(spec, target, dtype=torch.float32 if int8 else dtype)
+    merged = load_adapter(base, adapter_path, strict=strict).merge_and_unload().eval()
+    return quantize_drafter(merged) if int8 else merged
 
 
 def run_benchmark(target, drafter, prompts: dict[str, list[Prompt]], settings: BenchSettings | None = None,

@@ -76,6 +76,9 @@ def aggregate(records: list[RawRecord], methods: tuple, block_size: int | None, 
                            split_source="generation_stats", loop_other_seconds=merged.other_seconds)
                 prefill, verify, draft, select = (merged.prefill_seconds, merged.verify_seconds,
                                                   merged.draft_seconds, merged.select_seconds)
+                if merged.cost_curve:  # dflash2_cost: the curve it chose from, and how often it chose no draft
+                    row.update(cost_curve=merged.cost_curve, undrafted_cycles=(
+                        sum(d == 0 for d in merged.draft_lengths) / cycles if cycles else None))
             else:
                 cycles = fw_cycles
                 drafts = [x for r in rs for x in (r.forwards["drafts"] or [])]
@@ -233,6 +236,7 @@ def markdown(results: dict) -> str:
                 continue
             cells = [_fmt(acc[i]) if i < len(acc) else "" for i in range(width)]
             lines.append(f"| {row['dataset']} | {row['method']} | " + " | ".join(cells) + " |")
+    lines += cost_curve_lines(results["aggregates"])
     lines += divergence_lines(results)
     lines += [
         "",
@@ -247,6 +251,21 @@ def markdown(results: dict) -> str:
         "Methods: " + "; ".join(f"`{m}` = {METHOD_DESCRIPTIONS[m]}" for m in s["methods"]) + ".",
     ]
     return "\n".join(lines) + "\n"
+
+
+def cost_curve_lines(aggregates: list[dict]) -> list[str]:
+    """The verification cost curve ``dflash2_cost`` chose its draft lengths from, and how often it drafted nothing."""
+    rows = [r for r in aggregates if r.get("cost_curve")]
+    if not rows:
+        return []
+    curve = rows[0]["cost_curve"]
+    relative = ", ".join(f"{n}: {r:.2f}" for n, r in curve["relative"].items())
+    lines = ["", f"Draft length from the cost curve (`dflash2_cost`): verifying n tokens costs T_verify(n)/T_decode = "
+                 f"{relative} (measured once: {curve['label']}, {curve['verify_ms']['1']:.1f} ms per decoding step)", ""]
+    for r in rows:
+        lines.append(f"- {r['dataset']}: {_fmt(r.get('mean_draft_length'))} drafts verified per drafting cycle, "
+                     f"{100 * (r.get('undrafted_cycles') or 0):.0f}% of cycles plain steps (no draft)")
+    return lines
 
 
 # ------------------------------------------------------------------ plots

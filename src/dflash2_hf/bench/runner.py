@@ -17,9 +17,10 @@ import torch
 from .fidelity import NEAR_TIE_ULPS
 from .recorder import ForwardRecorder
 
-METHODS = ("plain", "prompt_lookup", "builtin_dflash", "dflash2_top1", "dflash2", "dflash2_dynamic", "dflash2_adapter")
-DRAFTER_METHODS = ("builtin_dflash", "dflash2_top1", "dflash2", "dflash2_dynamic", "dflash2_adapter")
-STATS_METHODS = ("dflash2_top1", "dflash2", "dflash2_dynamic", "dflash2_adapter")  # fill drafter.generation_stats
+METHODS = ("plain", "prompt_lookup", "builtin_dflash", "dflash2_top1", "dflash2", "dflash2_dynamic", "dflash2_cost",
+           "dflash2_adapter")
+DRAFTER_METHODS = ("builtin_dflash", "dflash2_top1", "dflash2", "dflash2_dynamic", "dflash2_cost", "dflash2_adapter")
+STATS_METHODS = ("dflash2_top1", "dflash2", "dflash2_dynamic", "dflash2_cost", "dflash2_adapter")  # fill generation_stats
 
 METHOD_DESCRIPTIONS = {
     "plain": "target.generate() without speculation",
@@ -32,6 +33,10 @@ METHOD_DESCRIPTIONS = {
     "dflash2_dynamic": "target.generate(assistant_model=drafter) with drafter.generation_config."
                        "assistant_confidence_threshold set (DFlash2 loop with the candidate selector, each path cut "
                        "after its first draft whose selector probability is below the threshold)",
+    "dflash2_cost": "target.generate(assistant_model=drafter) with drafter.generation_config."
+                    "num_assistant_tokens_schedule='cost' (DFlash2 loop with the candidate selector, drafts per cycle "
+                    "chosen from the measured verification cost curve and the calibrated selector probabilities, "
+                    "0 = a plain step; the curve is measured in the untimed warm-up)",
     "dflash2_adapter": "target.generate(assistant_model=adapted) with the same drafter plus a LoRA adapter, merged "
                        "(DFlash2 loop with the candidate selector)",
 }
@@ -114,7 +119,8 @@ _MISSING = object()
 def _method_settings(drafter, method: str, settings: BenchSettings):
     """Gives the drafter the settings ``method`` runs with, restored afterwards: the selector off for
     ``dflash2_top1``; full blocks for every DFlash2 method but ``dflash2_dynamic``, which gets the bench's
-    confidence threshold (a caller's own draft-length knobs never leak into a measured method)."""
+    confidence threshold, and ``dflash2_cost``, the cost-curve schedule (a caller's own draft-length knobs never leak
+    into a measured method)."""
     changes = []
     if method in STATS_METHODS:
         if method == "dflash2_top1":
@@ -123,7 +129,8 @@ def _method_settings(drafter, method: str, settings: BenchSettings):
         if config is not None:
             changes += [(config, "num_assistant_tokens", None),
                         (config, "assistant_confidence_threshold",
-                         settings.confidence_threshold if method == "dflash2_dynamic" else None)]
+                         settings.confidence_threshold if method == "dflash2_dynamic" else None),
+                        (config, "num_assistant_tokens_schedule", "cost" if method == "dflash2_cost" else None)]
     previous = [(obj, name, getattr(obj, name, _MISSING)) for obj, name, _ in changes]
     for obj, name, value in changes:
         setattr(obj, name, value)

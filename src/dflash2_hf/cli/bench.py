@@ -3,7 +3,8 @@
 Runs every method on the same prompts, interleaved per prompt (rotating the method order), after one untimed
 warm-up generation per method. Methods: plain, prompt_lookup, builtin_dflash (transformers' own DFlash loop with our
 drafter), dflash2_top1 (our loop, selector off), dflash2 (our loop with the candidate selector), dflash2_dynamic
-(dflash2 with a confidence-cut draft length).
+(dflash2 with a confidence-cut draft length), dflash2_cost (dflash2 with the draft length chosen from the measured
+verification cost curve and the calibrated selector probabilities).
 
 Writes to --out: results.json (settings, versions, machine, per-prompt raw numbers, aggregates), results.md (the
 table printed at the end), acceptance_per_position.png and speedup.png. How to read the columns: docs/bench.md.
@@ -28,6 +29,7 @@ from . import (
     non_negative_bound,
     probability,
     resolve_device,
+    resolve_drafter_dtype,
     resolve_dtype,
 )
 
@@ -137,11 +139,11 @@ def run(args: argparse.Namespace) -> int:
         else:
             reference = load_target(args.target, dtype=torch.float32, device=device)[0]
     needs_drafter = any(m in DRAFTER_METHODS and m != "dflash2_adapter" for m in settings.methods)
-    drafter_dtype, drafter_dtype_label = (resolve_dtype(args.drafter_dtype, target.device)
-                                          if args.drafter_dtype else (dtype, dtype_label))
-    drafter = load_drafter(args.drafter, target, dtype=drafter_dtype) if needs_drafter else None
+    drafter_dtype, int8, drafter_dtype_label = (resolve_drafter_dtype(args.drafter_dtype, target.device)
+                                                if args.drafter_dtype else (dtype, False, dtype_label))
+    drafter = load_drafter(args.drafter, target, dtype=drafter_dtype, int8=int8) if needs_drafter else None
     adapted = load_adapted_drafter(args.drafter, args.adapter, target, dtype=drafter_dtype,
-                                   strict=not args.adapter_no_strict) if args.adapter else None
+                                   strict=not args.adapter_no_strict, int8=int8) if args.adapter else None
     prompts, skipped = load_bench_prompts(_csv(args.datasets), tokenizer, args.num_prompts,
                                           max_prompt_tokens=args.max_prompt_tokens or None, chat=not args.raw_prompts)
     meta = {"target": args.target, "drafter": args.drafter, "adapter": args.adapter, "dtype": dtype_label,

@@ -1,11 +1,13 @@
 """The main job: the shipped drafter on the bundled real target, real prompts, text + tau + speedup.
 
-Runs plain ``generate()``, ``generate(..., assistant_model=draft)`` with full blocks, and the same with a dynamic draft
-length (``draft.generation_config.assistant_confidence_threshold``) side by side (interleaved, same prompts, same
-dtype, same ``max_new_tokens``) on ShareGPT development records [16000, 17000) and HumanEval, prints every generated
-text, whether greedy outputs were identical (a divergence: near-tie or bug), ``tau`` and the measured speedups;
-writes the full benchmark files too. The target's dtype defaults to ``auto``: the faster one on this machine (bf16
-where the device computes it natively, else fp32); the output names it and why.
+Runs plain ``generate()``, ``generate(..., assistant_model=draft)`` with full blocks, and the same with the draft
+length chosen from the measured verification cost curve (``draft.generation_config.num_assistant_tokens_schedule =
+"cost"``; the curve and the choices are printed) side by side (interleaved, same prompts, same dtype, same
+``max_new_tokens``) on ShareGPT development records [16000, 17000) and HumanEval, prints every generated text, whether
+greedy outputs were identical (a divergence: near-tie or bug), ``tau`` and the measured speedups; writes the full
+benchmark files too. The target's and the drafter's dtypes default to ``auto``: the fastest on this machine (bf16
+where the device computes it natively; else an fp32 target and an int8 drafter on x86 CPUs); the output names them
+and why.
 """
 
 from __future__ import annotations
@@ -32,10 +34,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_dtype_argument(parser, "auto")
     add_drafter_dtype_argument(parser, "auto", "auto")
     add_device_argument(parser, "the target and the drafter")
-    parser.add_argument("--confidence-threshold", type=probability, default=0.7,
-                        help="also runs dflash2 with a dynamic draft length: each path cut after its first draft whose "
-                             "selector probability is below this value (default 0.7: cheaper verification on CPUs; "
-                             "0 = skip that run)")
+    parser.add_argument("--confidence-threshold", type=probability, default=0.0,
+                        help="also runs dflash2 with a confidence-cut draft length: each path cut after its first "
+                             "draft whose selector probability is below this value (default 0 = skip that run)")
+    parser.add_argument("--no-cost-schedule", action="store_true",
+                        help="skip the run whose draft length comes from the measured cost curve")
     parser.add_argument("--num-threads", type=int, default=None,
                         help="torch CPU threads (use 1 on a busy machine: oversubscribed cores make timings noisy)")
 
@@ -43,14 +46,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from ..bench import BenchSettings, load_bench_prompts, run_benchmark
     from ..bench.fidelity import describe
+    from ..bench.report import cost_curve_lines
     from .generate import load_target_and_drafter
 
     target, tokenizer, drafter, (dtype_label, drafter_dtype_label) = load_target_and_drafter(args)
     device = target.device
     prompts, _ = load_bench_prompts(args.datasets.split(","), tokenizer, num_prompts=args.num_prompts)
-    methods = ("plain", "dflash2") + (("dflash2_dynamic",) if args.confidence_threshold else ())
+    methods = (("plain", "dflash2") + (() if args.no_cost_schedule else ("dflash2_cost",))
+               + (("dflash2_dynamic",) if args.confidence_threshold else ()))
     settings = BenchSettings(max_new_tokens=args.max_new_tokens, methods=methods,
-                             confidence_threshold=args.confidence_threshold)
+                             confidence_threshold=args.confidence_threshold or 0.7)
     results = run_benchmark(target, drafter, prompts, settings, out_dir=args.out,
                             meta={"target": args.target, "drafter": args.drafter, "dtype": dtype_label,
                                   "drafter_dtype": drafter_dtype_label})
@@ -58,7 +63,8 @@ def run(args: argparse.Namespace) -> int:
     texts = {}
     for rec in results["records"]:
         texts.setdefault((rec["dataset"], rec["prompt_id"]), {})[rec["method"]] = rec
-    labels = {"dflash2": "full blocks", "dflash2_dynamic": f"draft cut at confidence < {args.confidence_threshold}"}
+    labels = {"dflash2": "full blocks", "dflash2_cost": "draft length from the cost curve",
+              "dflash2_dynamic": f"draft cut at confidence < {args.confidence_threshold}"}
     for (dataset, prompt_id), by_method in texts.items():
         print(f"\n=== {dataset} {prompt_id}: plain generate() {by_method['plain']['tokens_per_second']:.1f} tokens/s")
         for method, label in labels.items():
@@ -78,6 +84,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"{agg['dataset']:>10} {labels[agg['method']]:>32}: tau {agg['tau']:.2f}, "
               f"{agg['mean_draft_length']:.2f} drafts verified per cycle, speedup {agg['speedup']:.2f}x over plain "
               f"generate(), greedy identical: {agg['identical_all']}{near}")
+    print("\n".join(line for line in cost_curve_lines(results["aggregates"]) if line))
     print(f"full results: {args.out}/results.md, {args.out}/results.json")
     from ..bench.report import load_warning
 

@@ -20,6 +20,7 @@ from . import (
     non_negative,
     probability,
     resolve_device,
+    resolve_drafter_dtype,
     resolve_dtype,
 )
 
@@ -50,15 +51,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "use dflash2 bench")
 
 
-def load_drafter(spec: str, target, dtype=None):
-    """A drafter from a folder / Hub id, or ``'fresh'`` (untrained, sized for ``target``), checked against it.
+def load_drafter(spec: str, target, dtype=None, int8: bool = False):
+    """A drafter from a folder / Hub id, or ``'fresh'`` (untrained, sized for ``target``), checked against it
+    (``int8``: quantized for drafting, :func:`dflash2_hf.quantization.quantize_drafter`).
 
     Raises:
         DrafterTargetMismatchError: the drafter was built for another target.
     """
     from ..bench import load_drafter as load
 
-    drafter = load(spec, target, dtype=dtype)
+    drafter = load(spec, target, dtype=dtype, int8=int8)
     drafter.check_target(target)
     return drafter
 
@@ -81,10 +83,10 @@ def load_target_and_drafter(args: argparse.Namespace):
         torch.set_num_threads(args.num_threads)
     device = resolve_device(args.device)
     dtype, dtype_label = resolve_dtype(args.dtype, device)
-    drafter_dtype, drafter_dtype_label = resolve_dtype(args.drafter_dtype, device)
+    drafter_dtype, int8, drafter_dtype_label = resolve_drafter_dtype(args.drafter_dtype, device)
     print(f"target dtype: {dtype_label}; drafter dtype: {drafter_dtype_label}; device: {device}")
     target, tokenizer = load_target(args.target, dtype=dtype, device=device)
-    drafter = load_drafter(args.drafter, target, dtype=drafter_dtype)
+    drafter = load_drafter(args.drafter, target, dtype=drafter_dtype, int8=int8)
     return target, tokenizer, drafter, (dtype_label, drafter_dtype_label)
 
 

@@ -15,6 +15,7 @@ import torch
 from transformers import PreTrainedModel
 
 from ..masking import drafter_cache
+from ..quantization import is_int8, quantized_linear
 from .stats import GenerationStats, timed
 
 
@@ -26,11 +27,14 @@ class DraftProposal:
         tokens: ``(1, P)`` long, the proposed path (``P <= B - 1``).
         candidate_ids: ``(P, k)`` long, top-k candidates per position (sampling only, else None).
         q: ``(P, k)`` float32, proposal probability of each candidate given the sampled predecessor (sampling only).
+        confidence: ``(P,)`` float32, :func:`path_confidence` of each proposed draft (when a draft-length rule read
+            it, else None).
     """
 
     tokens: torch.LongTensor
     candidate_ids: torch.LongTensor | None = None
     q: torch.Tensor | None = None
+    confidence: torch.Tensor | None = None
 
     def q_of_tokens(self) -> torch.Tensor:
         """``(P,)`` proposal probability of each proposed token."""
@@ -101,17 +105,19 @@ def draft_lm_head(head: torch.nn.Module, drafter) -> torch.nn.Module | torch.Ten
 
     The rows of the drafter's draft vocabulary only (if it has one; a ``(V_draft, H)`` tensor), in the drafter's
     dtype (a bf16 drafter on an fp32 target drafts ~3x cheaper on CPUs with bf16 units, still lossless since only
-    verification decides); ``head`` itself when nothing needs deriving or it has a bias. Such a derived weight is
-    computed once and cached on the drafter (the head is frozen).
+    verification decides), or as a dynamic int8 linear for an int8 drafting copy (:mod:`dflash2_hf.quantization`);
+    ``head`` itself when nothing needs deriving or it has a bias. Such a derived weight is computed once and cached
+    on the drafter (the head is frozen).
     """
     vocab = getattr(drafter, "draft_vocab_ids", None)
-    if (head.weight.dtype == drafter.dtype and vocab is None) or getattr(head, "bias", None) is not None:
+    int8 = is_int8(drafter)
+    if getattr(head, "bias", None) is not None or (head.weight.dtype == drafter.dtype and vocab is None and not int8):
         return head
-    key = (head.weight.data_ptr(), head.weight._version, drafter.dtype, None if vocab is None else vocab.data_ptr())
+    key = (head.weight.data_ptr(), head.weight._version, drafter.dtype, None if vocab is None else vocab.data_ptr(), int8)
     cached = getattr(drafter, "_lm_head_cast", None)
     if cached is None or cached[0] != key:
         weight = head.weight.detach() if vocab is None else head.weight.detach()[vocab.to(head.weight.device)]
-        cached = (key, weight.to(drafter.dtype))
+        cached = (key, quantized_linear(weight) if int8 else weight.to(drafter.dtype))
         drafter._lm_head_cast = cached
     return cached[1]
 
@@ -132,6 +138,8 @@ class DFlash2CandidateGenerator:
             draft.
         position_offset: the anchor's drafter position minus its index in ``input_ids``: the prompt positions
             ``input_ids`` lacks (an ``inputs_embeds`` prompt) minus the padding kept out of the context.
+        draft_length: a :class:`~.draft_length.DraftLengthPolicy` choosing how many drafts of each path to propose
+            from the cost curve and the calibrated confidence (instead of ``confidence_threshold``), or None.
     """
 
     def __init__(
@@ -144,8 +152,10 @@ class DFlash2CandidateGenerator:
         stats: GenerationStats,
         confidence_threshold: float | None = None,
         position_offset: int = 0,
+        draft_length=None,
     ):
         self.drafter = drafter
+        self.draft_length = draft_length
         self.position_offset = position_offset
         self.confidence_threshold = confidence_threshold
         config = drafter.config
@@ -210,7 +220,7 @@ class DFlash2CandidateGenerator:
             logits = self.drafter.compute_logits(hidden, self.lm_head)[0].to(self.device)  # (P, V) or (P, draft vocab)
 
         with timed(self.stats, "select_seconds", self.device):
-            if not self.do_sample and self.selector is None and not self.confidence_threshold:
+            if not self.do_sample and self.selector is None and not self.confidence_threshold and not self.draft_length:
                 return DraftProposal(tokens=self._to_target_ids(logits.argmax(-1))[None])
             top_logits, candidate_ids = logits.topk(self.top_k, dim=-1)  # (P, k)
             candidate_ids = self._to_target_ids(candidate_ids)
@@ -225,13 +235,20 @@ class DFlash2CandidateGenerator:
                 path, q = walk_sampled(scores, self.temperature)
             else:
                 path, q = walk_greedy(scores), None
-            if self.confidence_threshold:
-                keep = confident_prefix(path_confidence(scores, path), self.confidence_threshold)
-                path, candidate_ids = path[:keep], candidate_ids[:keep]
+            confidence = None
+            if self.confidence_threshold or self.draft_length:
+                confidence = path_confidence(scores, path)
+                if self.draft_length:  # this cycle's drafting time so far stands for T_draft
+                    spent = (self.stats.draft_seconds + self.stats.select_seconds) / (len(self.stats.draft_lengths) + 1)
+                    keep = self.draft_length.choose(confidence.cpu(), spent)
+                else:
+                    keep = confident_prefix(confidence, self.confidence_threshold)
+                path, candidate_ids, confidence = path[:keep], candidate_ids[:keep], confidence[:keep]
                 q = None if q is None else q[:keep]
             index = torch.tensor(path, device=self.device)
             tokens = candidate_ids.gather(1, index[:, None]).T
-            return DraftProposal(tokens=tokens, candidate_ids=candidate_ids if q is not None else None, q=q)
+            return DraftProposal(tokens=tokens, candidate_ids=candidate_ids if q is not None else None, q=q,
+                                 confidence=confidence)
 
     def _to_target_ids(self, ids: torch.LongTensor) -> torch.LongTensor:
         return ids if self.vocab_ids is None else self.vocab_ids[ids]

@@ -34,6 +34,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 from transformers.utils import logging
 
 from .candidate_generator import DFlash2CandidateGenerator
+from .draft_length import COST_SCHEDULE, policy_for
 from .inputs import PromptLayout, cache_key, check_rollback, validate
 from .precision import warn_if_emulated_bf16
 from .stats import GenerationStats, timed
@@ -42,17 +43,30 @@ from .verification import TokenEmitter, greedy_picker, sampling_picker, verify_b
 logger = logging.get_logger(__name__)
 
 
-def _draft_length_settings(drafter) -> tuple[int, float | None]:
-    """``(max drafts per cycle, confidence threshold or None)`` from the drafter's ``generation_config``.
+def _draft_length_settings(drafter) -> tuple[int, float | None, bool]:
+    """``(max drafts per cycle, confidence threshold or None, cost schedule)`` from the drafter's ``generation_config``
+    (``num_assistant_tokens_schedule="cost"``: the draft length from the cost curve, :mod:`.draft_length`).
 
     Raises:
-        ValueError: ``num_assistant_tokens`` not a positive integer, or ``assistant_confidence_threshold`` not a
-            number in ``[0, 1)``.
+        ValueError: ``num_assistant_tokens`` not a positive integer, ``assistant_confidence_threshold`` not a
+            number in ``[0, 1)``, a schedule other than None / "constant" / "cost", or "cost" with a threshold.
     """
     block_drafts = drafter.config.block_size - 1
     config = getattr(drafter, "generation_config", None)
     cap = getattr(config, "num_assistant_tokens", None)
     threshold = getattr(config, "assistant_confidence_threshold", None)
+    schedule = getattr(config, "num_assistant_tokens_schedule", None)
+    if schedule not in (None, "constant", COST_SCHEDULE):
+        raise ValueError(
+            f"draft.generation_config.num_assistant_tokens_schedule={schedule!r} is not used by the DFlash2 loop: set "
+            f"{COST_SCHEDULE!r} (draft length from the measured cost curve and the calibrated confidence) or None / "
+            "'constant' (num_assistant_tokens drafts, or full blocks)."
+        )
+    if schedule == COST_SCHEDULE and threshold:
+        raise ValueError(
+            f"draft.generation_config: num_assistant_tokens_schedule={COST_SCHEDULE!r} chooses the draft length itself; "
+            f"unset assistant_confidence_threshold (now {threshold!r}) or the schedule."
+        )
     if cap is not None and (isinstance(cap, bool) or not isinstance(cap, numbers.Integral) or cap < 1):
         raise ValueError(
             f"draft.generation_config.num_assistant_tokens must be a positive integer (drafts per cycle; values above "
@@ -65,7 +79,8 @@ def _draft_length_settings(drafter) -> tuple[int, float | None]:
             f"draft.generation_config.assistant_confidence_threshold must be a probability in [0, 1); got "
             f"{threshold!r}. None (or 0) = no cut, full blocks."
         )
-    return min(block_drafts, int(cap)) if cap is not None else block_drafts, threshold or None
+    drafts = min(block_drafts, int(cap)) if cap is not None else block_drafts
+    return drafts, threshold or None, schedule == COST_SCHEDULE
 
 
 def _warn_ignored_generate_knobs(generation_config) -> None:
@@ -134,7 +149,7 @@ def dflash2_assisted_decoding(
     validate(target, input_ids, generation_config, synced_gpus, model_kwargs)
     drafter = assistant_model.get_base_model() if hasattr(assistant_model, "get_base_model") else assistant_model
     drafter.check_target(target)
-    max_drafts, confidence_threshold = _draft_length_settings(drafter)
+    max_drafts, confidence_threshold, cost_schedule = _draft_length_settings(drafter)
     _warn_ignored_generate_knobs(generation_config)
     warn_if_emulated_bf16(drafter)
     _warn_cpu_drafter(drafter, input_ids)
@@ -156,6 +171,9 @@ def dflash2_assisted_decoding(
         confidence_threshold=confidence_threshold,
         position_offset=layout.offset - layout.hidden_positions,
     )
+    if cost_schedule:  # measures the cost curve on first use: before the timed loop, outside the stats
+        generator.draft_length = policy_for(drafter, target, generator.hidden_layer_indices)
+        stats.cost_curve = generator.draft_length.curve.to_dict()
     return_dict = generation_config.return_dict_in_generate
     emitter = TokenEmitter(
         stopping_criteria,
@@ -172,11 +190,17 @@ def dflash2_assisted_decoding(
         cur_len = input_ids.shape[1]
         proposal = None
         # 1. Draft, never past max_length: accepted drafts + the bonus token must fit.
+        cycle_start = time.perf_counter()
         num_drafts = 0 if is_first_iteration else min(max_drafts, max_length - cur_len - 1)
+        if num_drafts and generator.draft_length is not None and not generator.draft_length.should_draft():
+            num_drafts = 0
         candidate_input_ids = input_ids
+        drafted = num_drafts > 0
         if num_drafts > 0:
             proposal = generator.propose(input_ids, num_drafts)
             candidate_input_ids = torch.cat([input_ids, proposal.tokens.to(input_ids.device)], dim=1)
+            if proposal.tokens.shape[1] == 0:  # the cost schedule chose to verify the anchor alone
+                proposal = None
         num_drafts = candidate_input_ids.shape[1] - cur_len  # the confidence threshold may have cut the path
 
         # 2. Verify: one target forward over [anchor, drafts] (the whole prompt on the first iteration). Masks and
@@ -211,6 +235,10 @@ def dflash2_assisted_decoding(
         block = verify_block(new_logits, input_ids, logits_processor, emitter, pick)
         input_ids = block.sequence
         n_matches = block.emitted - 1
+        if generator.draft_length is not None and not is_first_iteration and not block.stopped:
+            if proposal is not None:  # a stop hides what came after it
+                generator.draft_length.update(proposal.confidence, block.accepted)
+            generator.draft_length.record_cycle(block.emitted, time.perf_counter() - cycle_start, drafted)
         if not is_first_iteration:
             stats.acceptance_lengths.append(block.emitted)
             stats.accepted_drafts.append(block.accepted)

@@ -25,6 +25,8 @@ class GenerationStats:
         verify_seconds: target forward passes of verification cycles.
         prefill_seconds: the target's prompt forward pass.
         total_seconds: the whole decoding loop.
+        cost_curve: with the ``"cost"`` draft-length schedule, the verification cost curve it chose lengths from
+            (``{"label", "verify_ms": {"n": ms}, "relative": {"n": T_verify(n) / T_decode}}``), else None.
     """
 
     block_size: int
@@ -37,6 +39,7 @@ class GenerationStats:
     verify_seconds: float = 0.0
     prefill_seconds: float = 0.0
     total_seconds: float = 0.0
+    cost_curve: dict | None = None
 
     @property
     def num_cycles(self) -> int:
@@ -101,6 +104,7 @@ class GenerationStats:
             for name in ("new_tokens", "draft_seconds", "select_seconds", "verify_seconds", "prefill_seconds",
                          "total_seconds"):
                 setattr(total, name, getattr(total, name) + getattr(s, name))
+            total.cost_curve = total.cost_curve or s.cost_curve
         return total
 
 

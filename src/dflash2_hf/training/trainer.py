@@ -29,6 +29,7 @@ from torch import nn
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from ..modeling_dflash2 import DFlash2DraftModel
+from ..quantization import refuse_int8
 from .losses import accumulate_stats, drafter_loss, lm_head_on, summarize_stats
 
 logger = logging.getLogger(__name__)
@@ -195,6 +196,7 @@ class DFlash2Trainer(Trainer):
         if target_embedding is None or target_lm_head is None:
             raise ValueError("DFlash2Trainer needs `target` (or both `target_embedding` and `target_lm_head`).")
         drafter = unwrap_drafter(model)
+        refuse_int8(drafter, "trained")
         cfg = drafter.config
         if target_embedding.shape[-1] != cfg.target_hidden_size or target_lm_head.weight.shape[0] != cfg.vocab_size:
             raise ValueError(

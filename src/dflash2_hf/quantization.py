@@ -1,0 +1,118 @@
+"""int8 drafting on CPUs without bf16 instructions: the drafter's linear layers as dynamic int8 (fbgemm) kernels.
+
+A drafter pass over one block is a handful of thin matmuls (``8 x 576`` activations against ``576 x 1536`` weights
+for SmolLM2), bound by reading the weights, not by arithmetic. On a CPU with AMX / AVX512-BF16 a bf16 drafter halves
+those bytes; on an AVX2-only CPU bf16 is emulated (slower than fp32), but PyTorch's dynamic int8 linear
+(``torch.ao.quantization.quantize_dynamic``: int8 weights, activations quantized per call, fbgemm kernels) reads a
+quarter of the bytes. Measured on one thread of an AVX2 AMD EPYC (torch 2.13, ``examples/cost_curve.py``-style
+proposal of a full block of 8 with the shipped SmolLM2 drafter): 27.5 ms in fp32, 16.0 ms in int8.
+
+Lossless like every drafting precision: the target verifies each draft, so int8 changes which tokens are proposed
+(and the sampling proposal ``q``, which the rejection step uses as it is), never the output. Quantized: every
+``nn.Linear`` of the decoder layers (attention and MLP projections, the convolutions' kernel projections) and the
+context fusion ``fc``; the draft-vocabulary rows of the target LM head are quantized once when drafting starts
+(:func:`dflash2_hf.generation.candidate_generator.draft_lm_head`). Kept in float: norms, rotary tables, the base
+convolution kernels and the candidate selector (its codebooks are gathered, not multiplied).
+
+An int8 drafter drafts only: it cannot be trained, saved or moved to a GPU (quantize a float copy for drafting;
+:func:`dflash2_hf.bench.load_drafter` does). ``torch.ao`` quantized tensors are deprecated in favour of ``torchao``
+(pytorch/pytorch#184982) but present and fast in the torch this package pins (2.13); where they are missing,
+:func:`int8_support` says so and ``--drafter-dtype auto`` falls back to fp32.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import nn
+
+from .errors import UnsupportedGenerationError
+
+_ENGINES = ("x86", "fbgemm")  # the engines with int8 dynamic linear kernels for x86 CPUs
+
+
+def int8_support(device: torch.device | str) -> tuple[bool, str]:
+    """Whether dynamic int8 drafting runs on ``device`` with fast kernels, and why, e.g. ``(True, "fbgemm int8 on
+    this CPU")``. True only on x86 CPUs whose torch has ``torch.ao.quantization.quantize_dynamic`` and the x86/fbgemm
+    quantized engine. Never raises for a valid device string."""
+    device = torch.device(device)
+    if device.type != "cpu":
+        return False, f"int8 drafting runs on the CPU only (device {device.type})"
+    if not hasattr(torch.ao.quantization, "quantize_dynamic"):
+        return False, f"torch {torch.__version__} has no torch.ao.quantization.quantize_dynamic"
+    engines = [e for e in _ENGINES if e in torch.backends.quantized.supported_engines]
+    if not engines:
+        return False, f"torch {torch.__version__} has no x86/fbgemm quantized engine on this CPU"
+    return True, f"{engines[0]} int8 on this CPU"
+
+
+def is_int8(drafter) -> bool:
+    """Whether :func:`quantize_drafter` turned ``drafter`` into an int8 drafting copy."""
+    return bool(getattr(drafter, "int8_drafting", False))
+
+
+def _quantize(module: nn.Module) -> nn.Module:
+    with warnings.catch_warnings():  # torch.ao's deprecation notices, once per layer: said once in the module doc
+        warnings.filterwarnings("ignore", category=UserWarning)
+        warnings.filterwarnings("ignore", category=DeprecationWarning)
+        return torch.ao.quantization.quantize_dynamic(module, {nn.Linear}, dtype=torch.qint8, inplace=True)
+
+
+def quantize_drafter(drafter):
+    """Turns ``drafter`` (a float32 CPU :class:`~dflash2_hf.DFlash2DraftModel`, eval mode) into an int8 drafting copy,
+    in place, and returns it.
+
+    Raises:
+        UnsupportedGenerationError: the drafter is not float32 on the CPU, still carries unmerged LoRA layers
+            (merge them first: ``peft_model.merge_and_unload()``), is already int8, or this torch/CPU has no fast
+            int8 kernels (:func:`int8_support`).
+    """
+    supported, reason = int8_support(drafter.device)
+    if not supported:
+        raise UnsupportedGenerationError(f"Cannot draft in int8: {reason}. Use --drafter-dtype fp32 (or bf16).")
+    if is_int8(drafter):
+        raise UnsupportedGenerationError("This drafter is already quantized to int8.")
+    if drafter.dtype != torch.float32:
+        raise UnsupportedGenerationError(
+            f"int8 drafting quantizes a float32 drafter; this one is {drafter.dtype}. Load it with dtype=torch.float32."
+        )
+    lora = [name for name, _ in drafter.named_modules() if name.endswith("lora_A")]
+    if lora or hasattr(drafter, "peft_config"):
+        raise UnsupportedGenerationError(
+            "This drafter carries LoRA layers (e.g. "
+            f"{lora[0] if lora else 'a PEFT wrapper'}): merge the adapter first (peft_model.merge_and_unload(), as "
+            "dflash2_hf.bench.load_adapted_drafter does), then quantize."
+        )
+    drafter.eval()
+    _quantize(drafter.layers)
+    drafter.fc = _quantize(nn.Sequential(drafter.fc))[0]
+    drafter.int8_drafting = True
+    drafter._lm_head_cast = None  # the cached draft LM head is rebuilt in int8 at the next proposal
+    return drafter
+
+
+def quantized_linear(weight: torch.Tensor) -> nn.Module:
+    """A dynamic int8 linear (no bias) holding ``weight`` ``(out, in)``: e.g. the draft-vocabulary rows of the LM
+    head; ``(..., in)`` float32 inputs give ``(..., out)`` float32 outputs."""
+    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+    linear.weight.data = weight.detach().float().cpu()
+    return _quantize(nn.Sequential(linear))[0]
+
+
+def is_quantized_linear(module) -> bool:
+    """Whether ``module`` is a dynamic int8 linear (from :func:`quantized_linear` or :func:`quantize_drafter`)."""
+    return isinstance(module, torch.ao.nn.quantized.dynamic.Linear)
+
+
+def refuse_int8(drafter, action: str) -> None:
+    """Raises :class:`UnsupportedGenerationError` if ``drafter`` is an int8 drafting copy (``action``: what was asked,
+    e.g. "saved")."""
+    if is_int8(drafter):
+        raise UnsupportedGenerationError(
+            f"An int8-quantized drafter drafts only and cannot be {action}: use the float drafter it was made from "
+            "(load it again without --drafter-dtype int8 / quantize_drafter)."
+        )
+
+
+__all__ = ["int8_support", "is_int8", "is_quantized_linear", "quantize_drafter", "quantized_linear", "refuse_int8"]

@@ -1,0 +1,134 @@
+"""int8 drafting (dflash2_hf.quantization): lossless, close to the float drafter, refused where it cannot work."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from conftest import Oracle, make_drafter, make_target, randomize_selector
+from torch import nn
+
+from dflash2_hf.bench import load_drafter
+from dflash2_hf.cli import resolve_drafter_dtype
+from dflash2_hf.errors import UnsupportedGenerationError
+from dflash2_hf.generation import GenerationStats, candidate_generator as cg
+from dflash2_hf.quantization import int8_support, is_int8, quantize_drafter
+
+pytestmark = pytest.mark.skipif(not int8_support("cpu")[0], reason="no x86/fbgemm int8 kernels in this torch")
+
+
+def _prompt(length: int, seed: int) -> torch.LongTensor:
+    return torch.randint(6, 96, (1, length), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture
+def pair(targets):
+    target = targets["llama"]
+    drafter = randomize_selector(make_drafter(target), scale=1.0)
+    return target, drafter, quantize_drafter(copy.deepcopy(drafter))
+
+
+def test_every_linear_of_the_layers_and_fc_is_int8_and_the_selector_stays_float(pair):
+    _, drafter, q = pair
+    assert is_int8(q) and not is_int8(drafter)
+    dense = [name for name, m in q.named_modules() if type(m) is nn.Linear]
+    assert dense == ["candidate_selector.hidden_projection"]
+    quantized = [name for name, m in q.named_modules() if isinstance(m, torch.ao.nn.quantized.dynamic.Linear)]
+    assert "fc" in quantized and len(quantized) == 1 + len(q.layers) * (7 + 2)  # q,k,v,o, gate,up,down, 2 convs
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3"])
+def test_int8_drafting_is_lossless(targets, arch):
+    target = targets[arch]
+    q = quantize_drafter(randomize_selector(make_drafter(target), scale=1.0))
+    for length, new, seed in [(5, 30, 0), (12, 23, 1)]:
+        ids = _prompt(length, seed)
+        ref = target.generate(ids, max_new_tokens=new, do_sample=False)
+        assert torch.equal(target.generate(ids, assistant_model=q, max_new_tokens=new, do_sample=False), ref)
+
+
+def test_int8_accepts_long_blocks_losslessly(targets, monkeypatch):
+    """Forced-acceptance drafts (the int8 drafter still runs and keeps its cache): identical output, long blocks."""
+    target = targets["llama"]
+    q = quantize_drafter(make_drafter(target))
+    ids = _prompt(7, 3)
+    ref = target.generate(ids, max_new_tokens=40, do_sample=False)
+    Oracle(ref, wrong_slot_per_cycle=lambda c: 2 if c % 3 == 0 else None).install(monkeypatch)
+    out = target.generate(ids, assistant_model=q, max_new_tokens=40, do_sample=False)
+    assert torch.equal(out, ref)
+    assert max(q.generation_stats.acceptance_lengths) == q.config.block_size
+
+
+def test_int8_proposals_are_close_to_the_float_drafter(pair):
+    """Same hidden states up to int8 rounding: the draft logits agree closely (so acceptance barely moves)."""
+    target, drafter, q = pair
+    ids = _prompt(20, 5)
+    with torch.no_grad():
+        hs = target(ids, output_hidden_states=True).hidden_states
+    logits = {}
+    for name, model in (("fp32", drafter), ("int8", q)):
+        gen = cg.DFlash2CandidateGenerator(model, target, False, 1.0, True, GenerationStats(block_size=6))
+        gen.add_context(hs, ids.shape[1] - 1)
+        block = torch.cat([ids[:, -1:], gen.mask_ids], dim=1)
+        embeds = model.embed_block(block, gen.embedding_weight)
+        with torch.no_grad():
+            hidden = model(embeds, gen.pending[0], cache=gen.cache).last_hidden_state
+        logits[name] = model.compute_logits(hidden, gen.lm_head)
+    rel = (logits["int8"] - logits["fp32"]).norm() / logits["fp32"].norm()
+    assert 0 < rel < 0.05, rel  # int8 really ran (not the float weights), and stays within a few percent
+
+
+def test_refusals(targets, tmp_path):
+    target = targets["llama"]
+    with pytest.raises(UnsupportedGenerationError, match="float32 drafter"):
+        quantize_drafter(make_drafter(target).to(torch.bfloat16))
+    q = quantize_drafter(make_drafter(target))
+    with pytest.raises(UnsupportedGenerationError, match="already quantized"):
+        quantize_drafter(q)
+    with pytest.raises(UnsupportedGenerationError, match="cannot be saved"):
+        q.save_pretrained(tmp_path / "q")
+    assert not (tmp_path / "q").exists()
+    from dflash2_hf.lora import add_lora
+
+    with pytest.raises(UnsupportedGenerationError, match="cannot be given a LoRA adapter"):
+        add_lora(q)
+    with pytest.raises(UnsupportedGenerationError, match="merge the adapter first"):
+        quantize_drafter(add_lora(make_drafter(target)))
+    from dflash2_hf.training import DFlash2Trainer
+
+    with pytest.raises(UnsupportedGenerationError, match="cannot be trained"):
+        DFlash2Trainer(model=q, target=target)
+
+
+def test_load_drafter_int8_and_the_cli_choice(targets, monkeypatch):
+    target = targets["llama"]
+    assert is_int8(load_drafter("fresh", target, int8=True, num_hidden_layers=1))
+    assert resolve_drafter_dtype("int8", "cpu") == (torch.float32, True, "int8")
+    assert resolve_drafter_dtype("fp32", "cpu") == (torch.float32, False, "fp32")
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False, raising=False)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False, raising=False)
+    dtype, int8, label = resolve_drafter_dtype("auto", "cpu")
+    assert (dtype, int8) == (torch.float32, True) and label.startswith("int8 (auto: no native bf16 on this CPU;")
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True, raising=False)
+    assert resolve_drafter_dtype("auto", "cpu")[:2] == (torch.bfloat16, False)  # native bf16 wins where it exists
+    with pytest.raises(ValueError, match="CPU only"):
+        resolve_drafter_dtype("int8", "meta")
+
+
+def test_int8_sampling_stays_exact():
+    """Rejection sampling with the int8 drafter's own q: the 2nd/3rd token marginals match the exact ones."""
+    from test_generation_sampling import THRESHOLD, VOCAB, _empirical, _exact_marginals, _tv
+
+    target = make_target("llama", seed=5, vocab_size=VOCAB, eos_token_id=None, pad_token_id=0, bos_token_id=1)
+    with torch.no_grad():
+        target.get_output_embeddings().weight.mul_(0.35)
+    drafter = randomize_selector(make_drafter(target, block_size=4, selector_top_k=4, output_multiplier=0.05),
+                                 scale=0.3)
+    q = quantize_drafter(drafter)
+    prompt = torch.tensor([[3, 7, 2, 9, 4]])
+    p2, p3 = _exact_marginals(target, prompt)
+    torch.manual_seed(6)
+    emp, accepted = _empirical(target, q, prompt, draws=1000)
+    assert accepted > 0.3
+    assert _tv(emp[0], p2) < THRESHOLD and _tv(emp[1], p3) < THRESHOLD, (emp, p2, p3)
