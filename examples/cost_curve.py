@@ -31,6 +31,7 @@ from dflash2_hf import GenerationStats
 from dflash2_hf.bench import load_bench_prompts, load_drafter
 from dflash2_hf.cli import DTYPES, resolve_dtype
 from dflash2_hf.generation.candidate_generator import DFlash2CandidateGenerator
+from dflash2_hf.quantization import int8_support
 from dflash2_hf.targets import load_target
 
 
@@ -61,6 +62,8 @@ def main() -> None:
     ids = torch.tensor([prompt.input_ids])
     drafters = {name: load_drafter(args.drafter, target, dtype=dtype)
                 for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16))}
+    if int8_support("cpu")[0]:
+        drafters["int8"] = load_drafter(args.drafter, target, int8=True)
     layers = [i + 1 for i in drafters["fp32"].config.target_layer_ids]
     block = drafters["fp32"].config.block_size
 
