@@ -173,6 +173,7 @@ class DFlash2CandidateGenerator:
         self.device = drafter.device
         self.cache = drafter_cache(config)  # windowed layers keep their last keys and can roll back
         self.context_positions = 0  # positions whose context features are in the drafter cache or pending
+        self.proposals = 0  # drafter passes so far (plain steps of the cost schedule make none)
         self.pending: list[torch.Tensor] = []
         self.mask_ids = torch.full((1, self.block_size - 1), config.mask_token_id, dtype=torch.long, device=self.device)
 
@@ -205,6 +206,7 @@ class DFlash2CandidateGenerator:
             raise RuntimeError(
                 f"Drafter context covers {self.context_positions} positions but the anchor sits at {anchor_pos}."
             )
+        self.proposals += 1
         with timed(self.stats, "draft_seconds", self.device):
             context = torch.cat(self.pending, dim=1) if len(self.pending) > 1 else self.pending[0]
             self.pending = []
@@ -238,8 +240,8 @@ class DFlash2CandidateGenerator:
             confidence = None
             if self.confidence_threshold or self.draft_length:
                 confidence = path_confidence(scores, path)
-                if self.draft_length:  # this cycle's drafting time so far stands for T_draft
-                    spent = (self.stats.draft_seconds + self.stats.select_seconds) / (len(self.stats.draft_lengths) + 1)
+                if self.draft_length:  # the mean drafting time per proposal so far (this one's included) is T_draft
+                    spent = (self.stats.draft_seconds + self.stats.select_seconds) / self.proposals
                     keep = self.draft_length.choose(confidence.cpu(), spent)
                 else:
                     keep = confident_prefix(confidence, self.confidence_threshold)
