@@ -15,6 +15,7 @@ from dflash2_hf.generation.draft_length import (
     AcceptanceCalibration,
     CostCurve,
     DraftLengthPolicy,
+    cost_schedule_state,
     measure_cost_curve,
 )
 
@@ -26,8 +27,8 @@ def _prompt(length: int, seed: int) -> torch.LongTensor:
 def _install_curve(drafter, target, verify_seconds: dict[int, float]) -> None:
     """Gives the drafter a cost curve for ``target`` (as policy_for would measure it) so choices are deterministic."""
     param = next(target.parameters())
-    key = (id(target), str(param.dtype), str(param.device), torch.get_num_threads())
-    drafter.__dict__.setdefault("cost_curves", {})[key] = CostCurve(verify_seconds, label="test curve")
+    key = (str(param.dtype), str(param.device), torch.get_num_threads())
+    cost_schedule_state(drafter, target)["curves"][key] = CostCurve(verify_seconds, label="test curve")
 
 
 def test_choice_maximises_expected_tokens_per_second():
@@ -103,7 +104,15 @@ def test_cost_schedule_greedy_identity_and_its_report(targets, arch):
         stats = drafter.generation_stats
         assert 1 + sum(stats.acceptance_lengths) == stats.new_tokens
         assert set(stats.cost_curve["relative"]) == {str(n) for n in range(1, drafter.config.block_size + 1)}
-    assert len(drafter.cost_curves) == 1  # measured once, reused by the second call
+    assert len(cost_schedule_state(drafter, target)["curves"]) == 1  # measured once, reused by the second call
+    other = make_target(arch, seed=9)  # another target: its own curve and calibration; deepcopy copies no target
+    import copy
+
+    twin = copy.deepcopy(drafter)
+    assert torch.equal(other.generate(ids, assistant_model=twin, max_new_tokens=8, do_sample=False),
+                       other.generate(ids, max_new_tokens=8, do_sample=False))
+    assert cost_schedule_state(twin, other)["calibration"] is not cost_schedule_state(drafter, target)["calibration"]
+    assert len(cost_schedule_state(twin, target)["curves"]) == 0  # the copy did not inherit the original's state
 
 
 @pytest.mark.parametrize("curve", [
@@ -121,9 +130,11 @@ def test_cost_schedule_stays_identical_with_long_accepted_blocks_and_plain_steps
     Oracle(ref, wrong_slot_per_cycle=lambda c: 1 if c % 3 == 0 else None).install(monkeypatch)
     out = target.generate(ids, assistant_model=drafter, max_new_tokens=60, do_sample=False)
     assert torch.equal(out, ref)
-    lengths = drafter.generation_stats.draft_lengths
+    stats = drafter.generation_stats
+    lengths = stats.draft_lengths
     if curve[1] < 1e-3:
-        assert lengths.count(0) > len(lengths) / 2  # mostly plain steps between probes
+        assert lengths.count(0) > len(lengths) / 2  # mostly plain steps between probes ...
+        assert 0 < stats.drafter_passes < len(lengths) / 2  # ... which run no drafter
     else:
         assert max(lengths) == drafter.config.block_size - 1
 
@@ -173,8 +184,8 @@ def test_bench_method_dflash2_cost_reports_the_curve(targets, tmp_path):
                                                                      progress=False), out_dir=tmp_path, plots=False)
     row = next(r for r in results["aggregates"] if r["method"] == "dflash2_cost" and r["dataset"] == "toy")
     assert row["identical_all"] and set(row["cost_curve"]["relative"]) == {str(n) for n in range(1, 7)}
-    assert 0 <= row["undrafted_cycles"] <= 1
+    assert 0 < row["drafted_cycles"] <= 1
     text = (tmp_path / "results.md").read_text()
-    assert "Draft length from the cost curve (`dflash2_cost`)" in text and "% of cycles plain steps" in text
+    assert "Draft length from the cost curve (`dflash2_cost`)" in text and "% of the cycles (the others were plain" in text
     assert drafter.generation_config.num_assistant_tokens_schedule is None  # the method's setting was restored
 

@@ -132,3 +132,45 @@ def test_int8_sampling_stays_exact():
     emp, accepted = _empirical(target, q, prompt, draws=1000)
     assert accepted > 0.3
     assert _tv(emp[0], p2) < THRESHOLD and _tv(emp[1], p3) < THRESHOLD, (emp, p2, p3)
+
+
+@pytest.mark.parametrize("int8", [False, True])
+def test_biased_lm_head_with_a_draft_vocabulary(targets, int8):
+    """A target LM head with a bias keeps its bias rows for the draft vocabulary (float and int8 drafting)."""
+    target = make_target("llama")
+    old = target.lm_head
+    target.lm_head = nn.Linear(old.in_features, old.out_features, bias=True)
+    with torch.no_grad():
+        target.lm_head.weight.copy_(old.weight)
+        target.lm_head.bias.copy_(torch.randn(old.out_features, generator=torch.Generator().manual_seed(0)))
+    drafter = randomize_selector(make_drafter(target), scale=1.0)
+    drafter.set_draft_vocab(list(range(0, old.out_features, 3)))
+    if int8:
+        drafter = quantize_drafter(drafter)
+    head = cg.lm_head_for_drafter(target, drafter)
+    x = torch.randn(4, old.in_features)
+    rows = drafter.draft_vocab_ids
+    expected = x @ target.lm_head.weight[rows].T + target.lm_head.bias[rows]
+    torch.testing.assert_close(drafter.compute_logits(x, head), expected, atol=0.05 if int8 else 1e-5, rtol=0.05)
+    ids = _prompt(7, 2)
+    ref = target.generate(ids, max_new_tokens=30, do_sample=False)
+    assert torch.equal(target.generate(ids, assistant_model=drafter, max_new_tokens=30, do_sample=False), ref)
+
+
+def test_an_int8_copy_moved_or_cast_is_refused_before_decoding(targets):
+    target = targets["llama"]
+    q = quantize_drafter(make_drafter(target)).to(torch.bfloat16)
+    with pytest.raises(UnsupportedGenerationError, match="int8 drafting runs in float32 on the CPU only"):
+        target.generate(_prompt(5, 0), assistant_model=q, max_new_tokens=5, do_sample=False)
+
+
+def test_push_to_hub_refuses_an_int8_copy_before_any_hub_call(targets, monkeypatch):
+    from huggingface_hub import HfApi, ModelCard
+
+    calls = []
+    monkeypatch.setattr(HfApi, "create_repo", lambda self, *a, **k: calls.append("create_repo"))
+    monkeypatch.setattr(HfApi, "upload_folder", lambda self, *a, **k: calls.append("upload_folder"))
+    q = quantize_drafter(make_drafter(targets["llama"]))
+    with pytest.raises(UnsupportedGenerationError, match="cannot be pushed to the Hub"):
+        q.push_to_hub("me/x", model_card=ModelCard("---\nlicense: mit\n---\n# x"))
+    assert calls == []

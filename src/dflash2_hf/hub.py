@@ -28,6 +28,8 @@ from pathlib import Path
 
 from huggingface_hub import HfApi, ModelCard, ModelCardData
 
+from .quantization import refuse_int8
+
 CARD_TAGS = ["dflash2", "speculative-decoding", "drafter", "block-diffusion"]
 # Stands for the Hub organisation in cards built before the repo exists; replaced on push (fill_hub_ids).
 HUB_ORG_PLACEHOLDER = "YOUR_ORG"
@@ -233,7 +235,9 @@ def push_drafter_to_hub(
 
     Raises:
         ValueError: no model card is available (see :func:`resolve_model_card`).
+        UnsupportedGenerationError: the drafter is an int8 drafting copy (nothing is created on the Hub).
     """
+    refuse_int8(drafter, "pushed to the Hub")
     card = resolve_model_card(drafter, model_card)
     api = HfApi(token=token)
     repo_id = api.create_repo(repo_id, private=private, exist_ok=True).repo_id

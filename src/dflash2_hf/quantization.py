@@ -92,17 +92,30 @@ def quantize_drafter(drafter):
     return drafter
 
 
-def quantized_linear(weight: torch.Tensor) -> nn.Module:
-    """A dynamic int8 linear (no bias) holding ``weight`` ``(out, in)``: e.g. the draft-vocabulary rows of the LM
-    head; ``(..., in)`` float32 inputs give ``(..., out)`` float32 outputs."""
-    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+def quantized_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> nn.Module:
+    """A dynamic int8 linear holding ``weight`` ``(out, in)`` (and an optional float ``bias`` ``(out,)``): e.g. the
+    draft-vocabulary rows of the LM head; ``(..., in)`` float32 inputs give ``(..., out)`` float32 outputs."""
+    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None)
     linear.weight.data = weight.detach().float().cpu()
+    if bias is not None:
+        linear.bias.data = bias.detach().float().cpu()
     return _quantize(nn.Sequential(linear))[0]
 
 
 def is_quantized_linear(module) -> bool:
     """Whether ``module`` is a dynamic int8 linear (from :func:`quantized_linear` or :func:`quantize_drafter`)."""
     return isinstance(module, torch.ao.nn.quantized.dynamic.Linear)
+
+
+def check_int8_drafting(drafter) -> None:
+    """Raises :class:`UnsupportedGenerationError` if an int8 drafting copy was moved off the CPU or cast from float32
+    after :func:`quantize_drafter` (its int8 kernels take float32 CPU inputs only)."""
+    if is_int8(drafter) and (drafter.device.type != "cpu" or drafter.dtype != torch.float32):
+        raise UnsupportedGenerationError(
+            f"This int8 drafting copy is now {drafter.dtype} on {drafter.device}; int8 drafting runs in float32 on the "
+            "CPU only. Keep it there (no .to()/.half()/.cuda() after quantize_drafter), or draft with the float drafter "
+            "(bf16 on GPUs)."
+        )
 
 
 def refuse_int8(drafter, action: str) -> None:
@@ -115,4 +128,4 @@ def refuse_int8(drafter, action: str) -> None:
         )
 
 
-__all__ = ["int8_support", "is_int8", "is_quantized_linear", "quantize_drafter", "quantized_linear", "refuse_int8"]
+__all__ = ["check_int8_drafting", "int8_support", "is_int8", "is_quantized_linear", "quantize_drafter", "quantized_linear", "refuse_int8"]

@@ -76,9 +76,9 @@ def aggregate(records: list[RawRecord], methods: tuple, block_size: int | None, 
                            split_source="generation_stats", loop_other_seconds=merged.other_seconds)
                 prefill, verify, draft, select = (merged.prefill_seconds, merged.verify_seconds,
                                                   merged.draft_seconds, merged.select_seconds)
-                if merged.cost_curve:  # dflash2_cost: the curve it chose from, and how often it chose no draft
-                    row.update(cost_curve=merged.cost_curve, undrafted_cycles=(
-                        sum(d == 0 for d in merged.draft_lengths) / cycles if cycles else None))
+                if merged.cost_curve:  # dflash2_cost: the curve it chose from, and how often the drafter ran
+                    row.update(cost_curve=merged.cost_curve,
+                               drafted_cycles=merged.drafter_passes / cycles if cycles else None)
             else:
                 cycles = fw_cycles
                 drafts = [x for r in rs for x in (r.forwards["drafts"] or [])]
@@ -263,8 +263,9 @@ def cost_curve_lines(aggregates: list[dict]) -> list[str]:
     lines = ["", f"Draft length from the cost curve (`dflash2_cost`): verifying n tokens costs T_verify(n)/T_decode = "
                  f"{relative} (measured once: {curve['label']}, {curve['verify_ms']['1']:.1f} ms per decoding step)", ""]
     for r in rows:
-        lines.append(f"- {r['dataset']}: {_fmt(r.get('mean_draft_length'))} drafts verified per drafting cycle, "
-                     f"{100 * (r.get('undrafted_cycles') or 0):.0f}% of cycles plain steps (no draft)")
+        lines.append(f"- {r['dataset']}: the drafter ran in {100 * (r.get('drafted_cycles') or 0):.0f}% of the cycles "
+                     f"(the others were plain steps); {_fmt(r.get('mean_draft_length'))} drafts verified per cycle "
+                     "that verified any")
     return lines
 
 

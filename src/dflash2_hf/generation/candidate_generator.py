@@ -105,19 +105,29 @@ def draft_lm_head(head: torch.nn.Module, drafter) -> torch.nn.Module | torch.Ten
 
     The rows of the drafter's draft vocabulary only (if it has one; a ``(V_draft, H)`` tensor), in the drafter's
     dtype (a bf16 drafter on an fp32 target drafts ~3x cheaper on CPUs with bf16 units, still lossless since only
-    verification decides), or as a dynamic int8 linear for an int8 drafting copy (:mod:`dflash2_hf.quantization`);
-    ``head`` itself when nothing needs deriving or it has a bias. Such a derived weight is computed once and cached
-    on the drafter (the head is frozen).
+    verification decides), or as a dynamic int8 linear for an int8 drafting copy (:mod:`dflash2_hf.quantization`); a
+    head with a bias becomes a small ``nn.Linear`` of those rows and their bias. ``head`` itself when nothing needs
+    deriving. Such a derived weight is computed once and cached on the drafter (the head is frozen).
     """
     vocab = getattr(drafter, "draft_vocab_ids", None)
     int8 = is_int8(drafter)
-    if getattr(head, "bias", None) is not None or (head.weight.dtype == drafter.dtype and vocab is None and not int8):
+    bias = getattr(head, "bias", None)
+    if head.weight.dtype == drafter.dtype and vocab is None and not int8:
         return head
-    key = (head.weight.data_ptr(), head.weight._version, drafter.dtype, None if vocab is None else vocab.data_ptr(), int8)
+    key = (head.weight.data_ptr(), head.weight._version, drafter.dtype, None if vocab is None else vocab.data_ptr(), int8,
+           None if bias is None else (bias.data_ptr(), bias._version))
     cached = getattr(drafter, "_lm_head_cast", None)
     if cached is None or cached[0] != key:
-        weight = head.weight.detach() if vocab is None else head.weight.detach()[vocab.to(head.weight.device)]
-        cached = (key, quantized_linear(weight) if int8 else weight.to(drafter.dtype))
+        rows = slice(None) if vocab is None else vocab.to(head.weight.device)
+        weight = head.weight.detach()[rows]
+        if int8:
+            derived = quantized_linear(weight, None if bias is None else bias.detach()[rows])
+        elif bias is None:
+            derived = weight.to(drafter.dtype)
+        else:  # a biased head keeps its bias rows: a small Linear of the draft rows
+            derived = torch.nn.Linear(weight.shape[1], weight.shape[0], device=weight.device, dtype=drafter.dtype)
+            derived.weight.data, derived.bias.data = weight.to(drafter.dtype), bias.detach()[rows].to(drafter.dtype)
+        cached = (key, derived)
         drafter._lm_head_cast = cached
     return cached[1]
 
@@ -173,7 +183,6 @@ class DFlash2CandidateGenerator:
         self.device = drafter.device
         self.cache = drafter_cache(config)  # windowed layers keep their last keys and can roll back
         self.context_positions = 0  # positions whose context features are in the drafter cache or pending
-        self.proposals = 0  # drafter passes so far (plain steps of the cost schedule make none)
         self.pending: list[torch.Tensor] = []
         self.mask_ids = torch.full((1, self.block_size - 1), config.mask_token_id, dtype=torch.long, device=self.device)
 
@@ -206,7 +215,7 @@ class DFlash2CandidateGenerator:
             raise RuntimeError(
                 f"Drafter context covers {self.context_positions} positions but the anchor sits at {anchor_pos}."
             )
-        self.proposals += 1
+        self.stats.drafter_passes += 1
         with timed(self.stats, "draft_seconds", self.device):
             context = torch.cat(self.pending, dim=1) if len(self.pending) > 1 else self.pending[0]
             self.pending = []
@@ -241,7 +250,7 @@ class DFlash2CandidateGenerator:
             if self.confidence_threshold or self.draft_length:
                 confidence = path_confidence(scores, path)
                 if self.draft_length:  # the mean drafting time per proposal so far (this one's included) is T_draft
-                    spent = (self.stats.draft_seconds + self.stats.select_seconds) / self.proposals
+                    spent = (self.stats.draft_seconds + self.stats.select_seconds) / self.stats.drafter_passes
                     keep = self.draft_length.choose(confidence.cpu(), spent)
                 else:
                     keep = confident_prefix(confidence, self.confidence_threshold)

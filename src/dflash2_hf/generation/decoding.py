@@ -33,6 +33,7 @@ from transformers.generation.candidate_generator import (
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 from transformers.utils import logging
 
+from ..quantization import check_int8_drafting
 from .candidate_generator import DFlash2CandidateGenerator
 from .draft_length import COST_SCHEDULE, policy_for
 from .inputs import PromptLayout, cache_key, check_rollback, validate
@@ -92,8 +93,9 @@ def _warn_ignored_generate_knobs(generation_config) -> None:
     if changed:
         logger.warning_once(
             f"{', '.join(changed)} (passed to generate() or set on the target's generation config) are ignored with "
-            "a DFlash2 drafter: set draft.generation_config.num_assistant_tokens / assistant_confidence_threshold "
-            "instead (fixed values; the 'heuristic' schedule is not used)."
+            "a DFlash2 drafter: set them on the drafter instead, draft.generation_config.num_assistant_tokens / "
+            "assistant_confidence_threshold / num_assistant_tokens_schedule ('cost': the draft length from the "
+            "measured cost curve; transformers' 'heuristic' schedules are not used)."
         )
     if getattr(generation_config, "prefill_chunk_size", None):
         logger.warning_once(
@@ -149,6 +151,7 @@ def dflash2_assisted_decoding(
     validate(target, input_ids, generation_config, synced_gpus, model_kwargs)
     drafter = assistant_model.get_base_model() if hasattr(assistant_model, "get_base_model") else assistant_model
     drafter.check_target(target)
+    check_int8_drafting(drafter)
     max_drafts, confidence_threshold, cost_schedule = _draft_length_settings(drafter)
     _warn_ignored_generate_knobs(generation_config)
     warn_if_emulated_bf16(drafter)

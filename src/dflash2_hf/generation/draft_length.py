@@ -7,7 +7,7 @@ tokens per second. Where verification is nearly flat in ``n`` (bf16 on AMX, GPUs
 grows (fp32 CPUs) it is short, confident drafts. How ``T_verify(n)`` grows is the hardware's own business (one AVX2
 CPU measured here verifies 4 tokens faster than 3: MKL's small-matrix path), so it is measured, not modelled:
 :func:`measure_cost_curve` times target forwards over ``n = 1 .. block_size`` new tokens on a KV cache, once per
-target / dtype / device / thread count, cached on the drafter.
+target / dtype / device / thread count, kept per drafter and target.
 
 ``p_i`` comes from the selector's probability of each path step (:func:`.candidate_generator.path_confidence`),
 recalibrated online (:class:`AcceptanceCalibration`): raw selector probabilities are over-confident (measured with
@@ -25,6 +25,7 @@ from __future__ import annotations
 import inspect
 import statistics
 import time
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -71,7 +72,7 @@ def measure_cost_curve(target, max_tokens: int, hidden_layers: list[int] | None 
     """Times target forwards over ``n = 1 .. max_tokens`` new tokens on the KV cache of a ``prompt_tokens`` prompt of
     random ids, as the loop verifies (``output_hidden_states`` = the drafter's layers), interleaved so drift hits every
     ``n`` alike; ``repeats`` medians (after one warm-up round). Costs about ``(repeats + 1) * sum_n T_verify(n)``:
-    ~3 s for SmolLM2-135M in fp32 on one CPU thread, well under a second on a GPU.
+    ~4 s for SmolLM2-135M in fp32 on one CPU thread of the AVX2 EPYC.
 
     Raises:
         ValueError: ``max_tokens < 1``.
@@ -123,7 +124,7 @@ class AcceptanceCalibration:
 
     Ten equal-width bins over ``[0, 1]``; each starts with ``prior_weight`` pseudo-observations at its centre (so an
     unused bin trusts the selector) and learns from every verified step: a step is observed when all drafts before it
-    were accepted. Kept on the drafter across ``generate()`` calls.
+    were accepted. Kept per drafter and target across ``generate()`` calls (:func:`cost_schedule_state`).
     """
 
     num_bins: int = 10
@@ -213,20 +214,32 @@ class DraftLengthPolicy:
         self.calibration.update(confidence, accepted)
 
 
+# drafter -> target -> {"curves": {(dtype, device, threads): CostCurve}, "calibration": AcceptanceCalibration}; weak
+# both ways, outside the modules (a deepcopy of a drafter must not copy its targets)
+_STATE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def cost_schedule_state(drafter, target) -> dict:
+    """What the cost schedule keeps for ``drafter`` with ``target`` (``{"curves": {(dtype, device, threads):
+    CostCurve}, "calibration": AcceptanceCalibration}``), created empty on first use; forgotten with either model."""
+    per_target = _STATE.setdefault(drafter, weakref.WeakKeyDictionary())
+    return per_target.setdefault(target, {"curves": {}, "calibration": AcceptanceCalibration()})
+
+
 def policy_for(drafter, target, hidden_layers: list[int]) -> DraftLengthPolicy:
     """The drafter's policy for ``target`` on this device/dtype/thread count: the cost curve is measured on first use
-    (logged, with its time) and cached on the drafter (``drafter.cost_curves``), as is the calibration
-    (``drafter.acceptance_calibration``)."""
+    (logged, with its time) and kept, as is the acceptance calibration, per drafter and target
+    (:func:`cost_schedule_state`)."""
     param = next(target.parameters())
-    key = (id(target), str(param.dtype), str(param.device), torch.get_num_threads())
-    curves = drafter.__dict__.setdefault("cost_curves", {})
-    if key not in curves:
-        curves[key] = measure_cost_curve(target, drafter.config.block_size, hidden_layers)
-        logger.info(f"Measured the verification cost curve ({curves[key].label}) in "
-                    f"{curves[key].measure_seconds:.1f} s: {curves[key].describe()}")
-    calibration = drafter.__dict__.setdefault("acceptance_calibration", AcceptanceCalibration())
-    return DraftLengthPolicy(curves[key], calibration)
+    state = cost_schedule_state(drafter, target)
+    key = (str(param.dtype), str(param.device), torch.get_num_threads())
+    if key not in state["curves"]:
+        curve = measure_cost_curve(target, drafter.config.block_size, hidden_layers)
+        state["curves"][key] = curve
+        logger.info(f"Measured the verification cost curve ({curve.label}) in {curve.measure_seconds:.1f} s: "
+                    f"{curve.describe()}")
+    return DraftLengthPolicy(state["curves"][key], state["calibration"])
 
 
-__all__ = ["COST_SCHEDULE", "AcceptanceCalibration", "CostCurve", "DraftLengthPolicy", "measure_cost_curve",
-           "policy_for"]
+__all__ = ["COST_SCHEDULE", "AcceptanceCalibration", "CostCurve", "DraftLengthPolicy", "cost_schedule_state",
+           "measure_cost_curve", "policy_for"]
