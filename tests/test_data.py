@@ -384,7 +384,7 @@ def test_load_prepared_as_dataset(tmp_path, tiny):
 
 
 def test_second_writer_is_refused(tmp_path, tiny):
-    from dflash2_hf.data.regenerate import _DirLock
+    from dflash2_hf.data.prepared import _DirLock
 
     model, tok = tiny
     path = _write_array(tmp_path / "sg.json", _good_records(2))

@@ -29,7 +29,7 @@ import os
 import time
 from pathlib import Path
 
-from .regenerate import PreparedDataError, _atomic_write_json, _get, _scan, _validate_record, read_meta
+from .prepared import PreparedDataError, _atomic_write_json, _get, _scan, _validate_record, read_meta
 
 DATASET_FORMAT = "dflash2-regenerated-chat-parquet"
 DATASET_FORMAT_VERSION = 1

@@ -9,7 +9,7 @@ text agrees with the target. So these records are several times cheaper per trai
 regenerated records stay the on-policy data (the contexts the drafter sees when serving).
 
 :func:`prepare_original` writes the same folder format as :func:`~.regenerate.prepare_data` (shards, skipped.jsonl,
-meta.json with ``generation.original_answers: true``), so :func:`~.regenerate.load_prepared`, ``export-data`` and
+meta.json with ``generation.original_answers: true``), so :func:`~.prepared.load_prepared`, ``export-data`` and
 ``train`` read it unchanged. ``response_spans`` cover each original assistant turn and its end-of-turn token.
 """
 
@@ -20,11 +20,9 @@ import os
 from collections import Counter
 from pathlib import Path
 
+from .prepared import _SHARD_FMT, _atomic_write_json, _fsync_append
 from .regenerate import (
-    _SHARD_FMT,
-    _atomic_write_json,
     _encode,
-    _fsync_append,
     _messages,
     _new_meta,
     _render,

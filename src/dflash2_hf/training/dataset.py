@@ -1,7 +1,7 @@
 """Training records (target-regenerated conversations) joined with their cached target features.
 
 Records come from :func:`dflash2_hf.data.load_prepared` (JSONL shards with ``record_id``, ``input_ids`` and
-``response_spans``; see :mod:`dflash2_hf.data.regenerate`). :func:`normalize_record` turns one record into the
+``response_spans``; see :mod:`dflash2_hf.data.prepared`). :func:`normalize_record` turns one record into the
 three fields training needs (``record_id``, ``input_ids``, ``response_mask``) and also accepts records that carry a
 ``response_mask`` / ``loss_mask`` list or ``labels`` with ``-100`` instead of spans.
 """
