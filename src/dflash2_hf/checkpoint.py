@@ -1,0 +1,97 @@
+"""The checks a loaded drafter checkpoint must pass (:meth:`DFlash2DraftModel.from_pretrained`): nothing missing or
+mis-shaped, no weight the config leaves unused, finite values, the recorded weights digest.
+
+``transformers`` initialises missing or mis-shaped weights randomly and only warns; a drafter silently drafting from
+random or dropped weights stays lossless but slow, so every such case is a :class:`CheckpointError` whose message
+names the tensors and the fix.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.utils import logging
+
+from .errors import CheckpointError
+from .integrity import digest_mismatch
+
+logger = logging.get_logger(__name__)
+
+
+def check_loaded(model, info: dict, path: str, overridden: bool, config_passed: bool) -> None:
+    """Raises :class:`CheckpointError` unless ``model`` (just loaded from ``path`` with ``output_loading_info``
+    ``info``) is complete and intact.
+
+    Args:
+        overridden: the caller passed ``config=`` or config fields (weights they leave unused only warn then).
+        config_passed: the caller passed ``config=`` (the digest is then compared with that config's).
+    """
+    missing = [k for k in info.get("missing_keys", []) if not k.startswith("rotary_emb")]
+    mismatched = sorted(info.get("mismatched_keys", []), key=str)
+    if missing or mismatched:
+        raise CheckpointError(
+            f"The drafter checkpoint {path!r} does not match its config: "
+            f"missing weights {sorted(missing)[:8]}{' ...' if len(missing) > 8 else ''}, "
+            f"wrong shapes {[tuple(map(str, m)) for m in mismatched[:4]]}. Re-save it with "
+            "DFlash2DraftModel.save_pretrained, or fix config.json (use_local_conv / use_candidate_selector / "
+            f"sizes) to match the weights.{_fc_hint(model.config, mismatched)}"
+        )
+    unused = sorted(info.get("unexpected_keys", []))
+    if unused and not overridden:  # the file's own config drops them: the drafter would draft without them
+        raise CheckpointError(
+            f"The drafter checkpoint {path!r} holds weights its config does not use: {unused[:8]}"
+            f"{' ...' if len(unused) > 8 else ''}. {_unused_hint(unused)} To drop them on purpose, say so in "
+            "from_pretrained (e.g. use_local_conv=False / use_candidate_selector=False)."
+        )
+    if unused:
+        logger.warning(f"Ignoring drafter weights the config overrides leave unused: {unused[:8]}")
+    bad = [n for n, p in model.named_parameters() if not torch.isfinite(p).all()]
+    if bad:
+        raise CheckpointError(
+            f"The drafter checkpoint {path!r} holds non-finite values (NaN/inf) in {bad[:4]}: the file is corrupt "
+            "(or training diverged). Download or save the drafter again."
+        )
+    # The digest covers every saved tensor: a config override that left some unused cannot be compared.
+    expected = None if unused else model.config.weights_sha256
+    actual = digest_mismatch(model, expected, what=f"drafter weights in {path!r}")
+    if actual:
+        source = "the config= you passed" if config_passed else "its config.json"
+        raise CheckpointError(
+            f"The drafter weights in {path!r} are not the ones recorded in {source} (weights digest {actual} "
+            f"!= weights_sha256 {expected}): the weight file is corrupt or was replaced. Download or save the "
+            "drafter again; if you replaced the weights on purpose, re-save them with save_pretrained, or set "
+            "weights_sha256 to null in the config."
+        )
+
+
+def _unused_hint(unused: list[str]) -> str:
+    """Which config field would use checkpoint tensors the config left out (a weight silently dropped drafts worse)."""
+    hints = []
+    if any(".attention_conv." in k or ".mlp_conv." in k for k in unused):
+        hints.append("The local-convolution weights need it enabled: in a published config architectures "
+                     "[\"DFlash2DraftModel\"] with dflash_config.conv_kernel_size (and conv_group_size); in ours "
+                     "use_local_conv: true.")
+    if any(k.startswith("candidate_selector.") for k in unused):
+        hints.append("The path-selector weights need it enabled: in a published config architectures "
+                     "[\"DFlash2DraftModel\"] with dflash_config.selector_rank (and selector_top_k); in ours "
+                     "use_candidate_selector: true.")
+    return " ".join(hints) or "Fix config.json to match the weights, or re-save the drafter with save_pretrained."
+
+
+def _fc_hint(config, mismatched) -> str:
+    """For a mis-shaped ``fc.weight``: the ``target_layer_ids`` that set its width, and the rule a published config
+    without them gets (the usual cause)."""
+    fc = next((m for m in mismatched if m[0] == "fc.weight"), None)
+    if fc is None:
+        return ""
+    ids, width = config.target_layer_ids, config.target_hidden_size
+    return (
+        f" fc.weight reads len(target_layer_ids) x target_hidden_size inputs: target_layer_ids={ids} gives "
+        f"{len(ids)} x {width}, the file's reads {fc[1][-1]} ({fc[1][-1] / width:g} layers). A published config "
+        "without target_layer_ids gets the reference's rule ([L // 2] for one drafter layer, else "
+        f"round(1 + i * (L - 4) / (n - 1)); here L={config.num_target_layers}, n={config.num_hidden_layers}): set "
+        "dflash_config.target_layer_ids (target_layer_ids in our format) to the target layers the drafter was "
+        "trained on."
+    )
+
+
+__all__ = ["DFlash2DraftModel", "DFlash2PreTrainedModel", "CandidateSelector", "GroupedDynamicCausalConv"]
