@@ -141,17 +141,12 @@ def test_cost_schedule_stays_identical_with_long_accepted_blocks_and_plain_steps
 
 def test_cost_schedule_sampling_is_exact_with_every_draft_length():
     """The choice (0 .. B-1 drafts) depends on the drafter and on earlier cycles only: sampling stays exact."""
-    from test_generation_sampling import THRESHOLD, VOCAB, _empirical, _exact_marginals, _tv
+    from test_generation_sampling import THRESHOLD, _empirical, _exact_marginals, _tv, sampling_models
 
-    target = make_target("llama", seed=5, vocab_size=VOCAB, eos_token_id=None, pad_token_id=0, bos_token_id=1)
-    with torch.no_grad():
-        target.get_output_embeddings().weight.mul_(0.35)
-    drafter = randomize_selector(make_drafter(target, block_size=4, selector_top_k=4, output_multiplier=0.05),
-                                 scale=0.3)
+    target, drafter, prompt = sampling_models()
     # a curve on which the calibrated q of a near-uniform top-4 drafter picks 0, 1, 2 or 3 drafts
     _install_curve(drafter, target, {1: 1.0, 2: 1.25, 3: 1.38, 4: 1.45})
     drafter.generation_config.num_assistant_tokens_schedule = "cost"
-    prompt = torch.tensor([[3, 7, 2, 9, 4]])
     p2, p3 = _exact_marginals(target, prompt)
     lengths = []
     torch.manual_seed(7)

@@ -90,14 +90,9 @@ def test_builtin_dflash_path(arch):
 
 def test_sampling_follows_the_target_distribution():
     """The exact marginals of tokens 2 and 3 (computed on the CPU in fp32) against 1500 samples drawn on DEVICE."""
-    from test_generation_sampling import NEW, THRESHOLD, VOCAB, _exact_marginals, _tv
+    from test_generation_sampling import NEW, THRESHOLD, VOCAB, _exact_marginals, _tv, sampling_models
 
-    target = make_target("llama", seed=5, vocab_size=VOCAB, eos_token_id=None, pad_token_id=0, bos_token_id=1)
-    with torch.no_grad():
-        target.get_output_embeddings().weight.mul_(0.35)
-    drafter = randomize_selector(make_drafter(target, block_size=4, selector_top_k=4, output_multiplier=0.05),
-                                 scale=0.3)
-    prompt = torch.tensor([[3, 7, 2, 9, 4]])
+    target, drafter, prompt = sampling_models()
     p2, p3 = _exact_marginals(target, prompt)
     target, drafter, prompt = copy.deepcopy(target).to(DEVICE), drafter.to(DEVICE), prompt.to(DEVICE)
     torch.manual_seed(0)

@@ -69,14 +69,19 @@ def _tv(a, b):
     return 0.5 * (a - b).abs().sum().item()
 
 
+def sampling_models():
+    """``(target, drafter, prompt)`` of the exactness tests: a softened 12-token target (several tokens plausible at
+    every step) and a near-uniform top-4 drafter (acceptance high enough that accepted drafts are tested too)."""
+    target = make_target("llama", seed=5, vocab_size=VOCAB, eos_token_id=None, pad_token_id=0, bos_token_id=1)
+    with torch.no_grad():
+        target.get_output_embeddings().weight.mul_(0.35)
+    drafter = randomize_selector(make_drafter(target, block_size=4, selector_top_k=4, output_multiplier=0.05), scale=0.3)
+    return target, drafter, torch.tensor([[3, 7, 2, 9, 4]])
+
+
 @pytest.fixture(scope="module")
 def setup():
-    target = make_target("llama", seed=5, vocab_size=VOCAB, eos_token_id=None, pad_token_id=0, bos_token_id=1)
-    with torch.no_grad():  # soften the target so several tokens are plausible at every step
-        target.get_output_embeddings().weight.mul_(0.35)
-    # a near-uniform drafter over its top-4 keeps acceptance high enough that accepted drafts are tested too
-    drafter = randomize_selector(make_drafter(target, block_size=4, selector_top_k=4, output_multiplier=0.05), scale=0.3)
-    prompt = torch.tensor([[3, 7, 2, 9, 4]])
+    target, drafter, prompt = sampling_models()
     return target, drafter, prompt, _exact_marginals(target, prompt)
 
 

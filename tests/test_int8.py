@@ -118,15 +118,10 @@ def test_load_drafter_int8_and_the_cli_choice(targets, monkeypatch):
 
 def test_int8_sampling_stays_exact():
     """Rejection sampling with the int8 drafter's own q: the 2nd/3rd token marginals match the exact ones."""
-    from test_generation_sampling import THRESHOLD, VOCAB, _empirical, _exact_marginals, _tv
+    from test_generation_sampling import THRESHOLD, _empirical, _exact_marginals, _tv, sampling_models
 
-    target = make_target("llama", seed=5, vocab_size=VOCAB, eos_token_id=None, pad_token_id=0, bos_token_id=1)
-    with torch.no_grad():
-        target.get_output_embeddings().weight.mul_(0.35)
-    drafter = randomize_selector(make_drafter(target, block_size=4, selector_top_k=4, output_multiplier=0.05),
-                                 scale=0.3)
+    target, drafter, prompt = sampling_models()
     q = quantize_drafter(drafter)
-    prompt = torch.tensor([[3, 7, 2, 9, 4]])
     p2, p3 = _exact_marginals(target, prompt)
     torch.manual_seed(6)
     emp, accepted = _empirical(target, q, prompt, draws=1000)
