@@ -21,6 +21,15 @@ def test_generate_with_a_confidence_threshold(capsys):
     assert "drafts verified per cycle" in out
 
 
+def test_generate_with_the_cost_schedule(capsys):
+    rc = main(["generate", "--drafter", SHIPPED, "--prompt", "Write a haiku about the sea.", "--max-new-tokens", "16",
+               "--cost-schedule", "--compare", "--num-threads", "1"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "greedy outputs identical: True" in out
+    assert "cost schedule: T_verify(n)/T_decode = 1: 1.00, 2: " in out and "cycles (the others were plain steps)" in out
+
+
 @pytest.mark.parametrize("value", ["1.5", "-0.1", "abc"])
 def test_generate_rejects_a_bad_threshold(value, capsys):
     with pytest.raises(SystemExit) as err:

@@ -41,6 +41,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(selector, or top-k softmax with --no-selector) is below this value "
                              "(drafter.generation_config.assistant_confidence_threshold; default 0 = full blocks). "
                              "Saves verification work where it grows with the block (CPUs)")
+    parser.add_argument("--cost-schedule", action="store_true",
+                        help="draft length from the measured verification cost curve and the calibrated selector "
+                             "probabilities (drafter.generation_config.num_assistant_tokens_schedule='cost'; the curve "
+                             "is measured once, ~4 s on a CPU, before the first cycle)")
     add_dtype_argument(parser, "auto")
     add_drafter_dtype_argument(parser, "auto", "auto")
     add_device_argument(parser, "the target and the drafter")
@@ -94,6 +98,7 @@ def run(args: argparse.Namespace) -> int:
     target, tokenizer, drafter, _ = load_target_and_drafter(args)
     drafter.use_selector = not args.no_selector
     drafter.generation_config.assistant_confidence_threshold = args.confidence_threshold or None
+    drafter.generation_config.num_assistant_tokens_schedule = "cost" if args.cost_schedule else None
     ids = prompt_ids(tokenizer, args.prompt).to(target.device)
     sampling = dict(do_sample=args.temperature > 0)
     if args.temperature > 0:
@@ -114,6 +119,10 @@ def run(args: argparse.Namespace) -> int:
     per = max(stats.num_cycles, 1)
     print(f"per cycle: drafter {1e3 * stats.draft_seconds / per:.1f} ms, selector {1e3 * stats.select_seconds / per:.1f} ms, "
           f"verification {1e3 * stats.verify_seconds / per:.1f} ms, rest {1e3 * stats.other_seconds / per:.1f} ms")
+    if stats.cost_curve:
+        relative = ", ".join(f"{n}: {r:.2f}" for n, r in stats.cost_curve["relative"].items())
+        print(f"cost schedule: T_verify(n)/T_decode = {relative}; the drafter ran in {stats.drafter_passes} of "
+              f"{stats.num_cycles} cycles (the others were plain steps)")
     if args.compare:
         start = time.perf_counter()
         ref = target.generate(ids, **kw)
