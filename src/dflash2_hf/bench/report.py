@@ -10,6 +10,7 @@ import sys
 from dataclasses import asdict, fields
 from pathlib import Path
 
+from ..generation.draft_length import CostCurve
 from ..generation.stats import GenerationStats
 from .fidelity import divergence_counts, divergence_lines, identity_cell
 from .recorder import per_position_rates
@@ -259,7 +260,7 @@ def cost_curve_lines(aggregates: list[dict]) -> list[str]:
     if not rows:
         return []
     curve = rows[0]["cost_curve"]
-    relative = ", ".join(f"{n}: {r:.2f}" for n, r in curve["relative"].items())
+    relative = CostCurve.format_relative(curve)
     lines = ["", f"Draft length from the cost curve (`dflash2_cost`): verifying n tokens costs T_verify(n)/T_decode = "
                  f"{relative} (measured once: {curve['label']}, {curve['verify_ms']['1']:.1f} ms per decoding step)", ""]
     for r in rows:

@@ -120,8 +120,9 @@ def run(args: argparse.Namespace) -> int:
     print(f"per cycle: drafter {1e3 * stats.draft_seconds / per:.1f} ms, selector {1e3 * stats.select_seconds / per:.1f} ms, "
           f"verification {1e3 * stats.verify_seconds / per:.1f} ms, rest {1e3 * stats.other_seconds / per:.1f} ms")
     if stats.cost_curve:
-        relative = ", ".join(f"{n}: {r:.2f}" for n, r in stats.cost_curve["relative"].items())
-        print(f"cost schedule: T_verify(n)/T_decode = {relative}; the drafter ran in {stats.drafter_passes} of "
+        from ..generation.draft_length import CostCurve
+
+        print(f"cost schedule: T_verify(n)/T_decode = {CostCurve.format_relative(stats.cost_curve)}; the drafter ran in {stats.drafter_passes} of "
               f"{stats.num_cycles} cycles (the others were plain steps)")
     if args.compare:
         start = time.perf_counter()

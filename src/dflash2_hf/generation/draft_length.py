@@ -62,6 +62,11 @@ class CostCurve:
                 "verify_ms": {str(n): round(1000 * t, 3) for n, t in self.verify_seconds.items()},
                 "relative": {str(n): round(r, 3) for n, r in self.relative().items()}}
 
+    @staticmethod
+    def format_relative(curve: dict) -> str:
+        """``"1: 1.00, 2: 1.62, ..."`` from a :meth:`to_dict` (``generation_stats.cost_curve``, a bench row)."""
+        return ", ".join(f"{n}: {r:.2f}" for n, r in curve["relative"].items())
+
     def describe(self) -> str:
         """One line for reports, e.g. ``"T_verify(n)/T_decode: n=1 1.00, n=2 1.62, ..."``."""
         return "T_verify(n)/T_decode: " + ", ".join(f"n={n} {r:.2f}" for n, r in self.relative().items())
