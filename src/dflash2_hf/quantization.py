@@ -4,8 +4,8 @@ A drafter pass over one block is a handful of thin matmuls (``8 x 576`` activati
 for SmolLM2), bound by reading the weights, not by arithmetic. On a CPU with AMX / AVX512-BF16 a bf16 drafter halves
 those bytes; on an AVX2-only CPU bf16 is emulated (slower than fp32), but PyTorch's dynamic int8 linear
 (``torch.ao.quantization.quantize_dynamic``: int8 weights, activations quantized per call, fbgemm kernels) reads a
-quarter of the bytes. Measured on one thread of an AVX2 AMD EPYC (torch 2.13, ``examples/cost_curve.py``-style
-proposal of a full block of 8 with the shipped SmolLM2 drafter): 27.5 ms in fp32, 16.0 ms in int8.
+quarter of the bytes. Measured on one thread of an AVX2 AMD EPYC (torch 2.13, ``examples/cost_curve.py --num-threads 1
+--sizes 1,8``: a proposal of a full block of 8 with the shipped SmolLM2 drafter): 33 ms in fp32, 18-19 ms in int8.
 
 Lossless like every drafting precision: the target verifies each draft, so int8 changes which tokens are proposed
 (and the sampling proposal ``q``, which the rejection step uses as it is), never the output. Quantized: every

@@ -10,8 +10,8 @@ CPU measured here verifies 4 tokens faster than 3: MKL's small-matrix path), so 
 target / dtype / device / thread count, kept per drafter and target.
 
 ``p_i`` comes from the selector's probability of each path step (:func:`.candidate_generator.path_confidence`),
-recalibrated online (:class:`AcceptanceCalibration`): raw selector probabilities are over-confident (measured with
-the shipped SmolLM2 drafter: steps with probability 0.5-0.6 were accepted 39% of the time, 0.6-0.7 28%).
+recalibrated online (:class:`AcceptanceCalibration`): raw selector probabilities are over-confident (an ad-hoc run
+with the shipped SmolLM2 drafter on 12 prompts: steps with probability 0.5-0.6 were accepted 39% of the time).
 
 Lossless: the choice depends on the drafter's own scores and on earlier cycles only, never on the target's output of
 the cycle being verified, so greedy output stays identical and rejection sampling stays exact.
