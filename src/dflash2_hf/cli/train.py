@@ -58,6 +58,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="label every slot with the target's own greedy token (stored with the features: a "
                         "separate cache) and train a slot only while the text agrees with the target before it; "
                         "needed for `prepare-data --original-answers` folders, the same labels on regenerated data")
+    g.add_argument("--distill-topk", type=int, default=0, metavar="K",
+                   help="also store the target's K largest next-token logits with the features (a separate "
+                        "cache; implies the target's greedy tokens) and distil them: see --distill-weight")
+    g.add_argument("--distill-weight", type=float, default=None, metavar="W",
+                   help="block loss = (1 - W) * cross entropy on the true token + W * cross entropy to the target's "
+                        "top-K distribution (default 0.5 with --distill-topk, else 0)")
     g.add_argument("--eval-data", default=None,
                    help="held-out prepared data folder (e.g. regenerated dev records 16000-17000): teacher-forced "
                         "per-slot accuracy and tau estimates on it are logged as eval_* every --eval-steps")
@@ -280,6 +286,25 @@ def load_eval_records(args: argparse.Namespace, tokenizer) -> list[dict]:
     return recs
 
 
+def cache_kwargs(args: argparse.Namespace) -> dict:
+    """What the feature caches of this run store besides the features (``FeatureCache`` keyword arguments)."""
+    return {"with_next": args.target_labels, "topk": args.distill_topk}
+
+
+def distill_weight(args: argparse.Namespace) -> float:
+    """``--distill-weight`` (default 0.5 with ``--distill-topk``, else 0).
+
+    Raises:
+        ValueError: a weight outside [0, 1], or a weight > 0 without ``--distill-topk`` (no soft targets).
+    """
+    w = args.distill_weight if args.distill_weight is not None else (0.5 if args.distill_topk else 0.0)
+    if not 0.0 <= w <= 1.0:
+        raise ValueError(f"--distill-weight must be in [0, 1], got {w}")
+    if w and not args.distill_topk:
+        raise ValueError("--distill-weight needs --distill-topk K (the target's top-K logits stored with the features)")
+    return w
+
+
 def _eval_only(args, target, drafter, progress, tokenizer, resume_from: str | None) -> int:
     import torch
 
@@ -297,7 +322,7 @@ def _eval_only(args, target, drafter, progress, tokenizer, resume_from: str | No
     cfg = drafter.config
     recs = load_eval_records(args, tokenizer)
     cache = FeatureCache(args.features_dir or default_features_root(args.eval_data), args.target, cfg.target_layer_ids,
-                         with_next=args.target_labels)
+                         **cache_kwargs(args))
     cache.build(target, recs, max_length=args.max_length, compute_dtype=getattr(torch, args.feature_dtype),
                 progress=progress)
     dataset = FeatureDataset(recs, cache, max_length=args.max_length)
@@ -327,6 +352,14 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.eval_only and not args.eval_data:
         logger.error("--eval-only needs --eval-data")
+        return 2
+    if args.distill_topk < 0:
+        logger.error("--distill-topk must be >= 0, got %d", args.distill_topk)
+        return 2
+    try:
+        distill = distill_weight(args)
+    except ValueError as err:
+        logger.error("%s", err)
         return 2
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -365,7 +398,7 @@ def run(args: argparse.Namespace) -> int:
         all_ids |= {r["record_id"] for r in recs}
         root = feat_root if k == 0 else (os.path.join(args.features_dir, f"extra-{k}") if args.features_dir
                                          else default_features_root(data_dir))
-        part_cache = FeatureCache(root, args.target, cfg.target_layer_ids, with_next=args.target_labels)
+        part_cache = FeatureCache(root, args.target, cfg.target_layer_ids, **cache_kwargs(args))
         stats = part_cache.build(target, recs, max_length=args.max_length,
                                  compute_dtype=getattr(torch, args.feature_dtype), progress=progress,
                                  time_budget_s=budget)
@@ -391,7 +424,7 @@ def run(args: argparse.Namespace) -> int:
             return 1
         eval_cache = FeatureCache(default_features_root(args.eval_data) if not args.features_dir else
                                   os.path.join(args.features_dir, "eval"), args.target, cfg.target_layer_ids,
-                                  with_next=args.target_labels)
+                                  **cache_kwargs(args))
         eval_cache.build(target, eval_records, max_length=args.max_length,
                          compute_dtype=getattr(torch, args.feature_dtype), progress=progress)
         eval_dataset = FeatureDataset(eval_records, eval_cache, max_length=args.max_length)
@@ -424,6 +457,7 @@ def run(args: argparse.Namespace) -> int:
         loss_gamma=args.gamma,
         selector_loss_weight=args.selector_weight,
         selector_detach=not args.selector_no_detach,
+        distill_weight=distill,
         eval_strategy="steps" if eval_dataset is not None else "no",
         eval_steps=args.eval_steps if eval_dataset is not None else None,
     )

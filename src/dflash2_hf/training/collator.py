@@ -20,6 +20,10 @@ token the target itself would emit there, and only while the text agrees with th
 anchor's context, whoever wrote the text: on the target's own regenerated text the labels are ``x_{a+j}`` again;
 on text written by someone else (original ShareGPT answers) slot 1 always trains and later slots train as far as
 the target would have written the same tokens.
+
+Distillation targets (items with ``target_topk_logits`` / ``target_topk_ids``, the target's k largest next-token
+logits at every position): slot ``j`` gets those of position ``a+j-1``, the target's distribution over the token
+its label is drawn from.
 """
 
 from __future__ import annotations
@@ -115,12 +119,15 @@ class BlockCollator:
       ``B`` slots; a padding block sees only itself (no fully masked row, so no NaN);
     * ``labels`` ``(b, Q)`` int64, ``-100`` where not trained (slot 0, padding, past the response);
     * ``predecessor_ids`` ``(b, Q)`` int64: the true previous token of each labelled slot (for the selector);
-    * ``anchors`` ``(b, N)`` int64, ``-1`` for padding blocks.
+    * ``anchors`` ``(b, N)`` int64, ``-1`` for padding blocks;
+    * with distillation targets in the items: ``soft_logits`` ``(b, Q, k)`` float32 and ``soft_ids`` ``(b, Q, k)``
+      int64, the target's top-k next-token logits for each slot (meaningful where ``labels`` is set, 0 elsewhere).
 
     Anchors are re-drawn on every call (``rng`` seeded by ``seed``).
 
     Raises:
-        ValueError: an item is malformed (length mismatch, too few feature rows).
+        ValueError: an item is malformed (length mismatch, too few feature rows), or only some items of a batch
+            carry distillation targets.
     """
 
     block_size: int
@@ -154,20 +161,29 @@ class BlockCollator:
             nxt = torch.as_tensor(nxt, dtype=torch.long).flatten()[: ids.shape[0]]
             if nxt.shape != ids.shape:
                 raise ValueError(f"target_next has {nxt.numel()} entries for {ids.numel()} input_ids")
-        return ids, mask, feats[: ids.shape[0]], nxt
+        soft = None
+        if "target_topk_logits" in item:
+            soft = (item["target_topk_logits"][: ids.shape[0]].float(), item["target_topk_ids"][: ids.shape[0]].long())
+            if soft[0].shape[0] != ids.shape[0] or soft[0].shape != soft[1].shape:
+                raise ValueError(f"target_topk_logits {tuple(soft[0].shape)} / target_topk_ids "
+                                 f"{tuple(soft[1].shape)} do not cover the {ids.numel()} input_ids")
+        return ids, mask, feats[: ids.shape[0]], nxt, soft
 
     def __call__(self, items: list[dict]) -> dict[str, torch.Tensor]:
         B = self.block_size
         prepared = []
+        if len({"target_topk_logits" in item for item in items}) > 1:
+            raise ValueError("only some items of the batch carry distillation targets (target_topk_logits): "
+                             "build every feature cache of the run with the same --distill-topk")
         for item in items:
-            ids, mask, feats, nxt = self._prepare(item)
+            ids, mask, feats, nxt, soft = self._prepare(item)
             anchors = sample_anchors(mask, self.num_blocks, self.rng)
             if anchors.numel() == 0 and self.drop_empty and len(items) > 1:
                 continue
-            prepared.append((ids, mask, feats, anchors, nxt))
+            prepared.append((ids, mask, feats, anchors, nxt, soft))
         if not prepared:  # every item lacked anchors: keep the first with one padding block (no labels)
-            ids, mask, feats, nxt = self._prepare(items[0])
-            prepared.append((ids, mask, feats, torch.zeros(0, dtype=torch.long), nxt))
+            ids, mask, feats, nxt, soft = self._prepare(items[0])
+            prepared.append((ids, mask, feats, torch.zeros(0, dtype=torch.long), nxt, soft))
         b = len(prepared)
         T = max(p[0].shape[0] for p in prepared)
         N = max(1, max(p[3].shape[0] for p in prepared))
@@ -182,12 +198,15 @@ class BlockCollator:
         labels = torch.full((b, Q), IGNORE_INDEX, dtype=torch.long)
         preds = torch.zeros(b, Q, dtype=torch.long)
         anchors_out = torch.full((b, N), -1, dtype=torch.long)
+        k = prepared[0][5][0].shape[-1] if prepared[0][5] is not None else 0
+        soft_logits = torch.zeros(b, Q, k) if k else None
+        soft_ids = torch.zeros(b, Q, k, dtype=torch.long) if k else None
 
         slot_block = torch.arange(Q) // B  # block index of each query slot
         same_block = slot_block[:, None] == slot_block[None, :]  # (Q, Q)
         offs = torch.arange(B)
         ctx_cols = torch.arange(T)
-        for r, (ids, mask, feats, anchors, nxt) in enumerate(prepared):
+        for r, (ids, mask, feats, anchors, nxt, soft) in enumerate(prepared):
             L, n = ids.shape[0], anchors.shape[0]
             ctx[r, :L] = feats
             pos[r, :T] = torch.arange(T)
@@ -202,7 +221,10 @@ class BlockCollator:
                 lab, prv = block_labels(ids, mask, anchors, B, target_next=nxt)
                 labels[r, : n * B] = lab.flatten()
                 preds[r, : n * B] = prv.flatten()
-        return {
+                if k:  # slot j's distribution is the target's at position a+j-1
+                    src = (anchors[:, None] + offs[None, :] - 1).clamp(0, L - 1).flatten()
+                    soft_logits[r, : n * B], soft_ids[r, : n * B] = soft[0][src], soft[1][src]
+        out = {
             "block_input_ids": block_ids,
             "context_hidden_states": ctx,
             "position_ids": pos,
@@ -211,6 +233,9 @@ class BlockCollator:
             "predecessor_ids": preds,
             "anchors": anchors_out,
         }
+        if k:
+            out["soft_logits"], out["soft_ids"] = soft_logits, soft_ids
+        return out
 
 
 __all__ = ["BlockCollator", "IGNORE_INDEX", "block_labels", "sample_anchors", "valid_anchors"]

@@ -84,7 +84,8 @@ class FeatureDataset(Dataset):
     Items (what :class:`~dflash2_hf.training.collator.BlockCollator` takes): ``record_id`` int, ``input_ids``
     ``(L,)`` int64, ``response_mask`` ``(L,)`` bool, ``context_hidden_states`` ``(L, n*H_t)`` bfloat16 (read from
     disk on access), where ``L`` is the cached length; ``target_next`` ``(L,)`` int64 (the target's greedy next
-    token at each position) when the cache stores it.
+    token at each position) when the cache stores it; ``target_topk_logits`` ``(L, k)`` float32 and
+    ``target_topk_ids`` ``(L, k)`` int64 (its k largest next-token logits) when the cache stores them.
     """
 
     def __init__(self, records: Sequence[dict], cache: FeatureCache, max_length: int | None = None):
@@ -128,6 +129,8 @@ class FeatureDataset(Dataset):
         }
         if self.cache.with_next:
             item["target_next"] = self.cache.get_next(rec["record_id"])
+        if self.cache.topk:
+            item["target_topk_logits"], item["target_topk_ids"] = self.cache.get_topk(rec["record_id"])
         return item
 
 

@@ -68,6 +68,7 @@ def target_features(
     layer_ids: Sequence[int],
     attention_mask: torch.Tensor | None = None,
     with_next: bool = False,
+    topk: int = 0,
 ):
     """Concatenated hidden states of ``layer_ids`` for ``input_ids`` (and the target's greedy next tokens).
 
@@ -81,14 +82,19 @@ def target_features(
         layer_ids: 0-based decoder layer indices.
         attention_mask: optional ``(b, T)`` 0/1 padding mask.
         with_next: also run the rest of the target and return its argmax next token at every position.
+        topk: with ``with_next``, also return the target's ``topk`` largest next-token logits at every position
+            (the distillation targets of ``drafter_loss(distill_weight=...)``).
 
     Returns:
         ``(b, T, len(layer_ids) * H_t)`` in the target's dtype; with ``with_next`` a tuple of that and ``(b, T)``
-        int64 ``argmax logits[t]`` (the target's greedy choice for position ``t + 1``).
+        int64 ``argmax logits[t]`` (the target's greedy choice for position ``t + 1``); with ``topk`` also
+        ``(b, T, topk)`` float32 logits (descending) and ``(b, T, topk)`` int64 their token ids.
 
     Raises:
-        ValueError: a layer id is outside the target's layers.
+        ValueError: a layer id is outside the target's layers, or ``topk`` without ``with_next``.
     """
+    if topk and not with_next:
+        raise ValueError("topk logits need the whole target: pass with_next=True")
     layers = decoder_layers(target)
     if not layer_ids or min(layer_ids) < 0 or max(layer_ids) >= len(layers):
         raise ValueError(f"layer_ids {list(layer_ids)} outside the target's {len(layers)} decoder layers")
@@ -105,10 +111,13 @@ def target_features(
 
     handles = [layers[i].register_forward_hook(make_hook(i)) for i in sorted(set(layer_ids))]
     decoder = target.get_decoder() if hasattr(target, "get_decoder") else target
-    next_ids = None
+    next_ids = top = None
     try:
         if with_next:
-            next_ids = target(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits.argmax(-1)
+            logits = target(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+            next_ids = logits.argmax(-1)
+            if topk:
+                top = logits.float().topk(topk, dim=-1)
         else:
             decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
     except _StopForward:
@@ -117,13 +126,17 @@ def target_features(
         for h in handles:
             h.remove()
     feats = torch.cat([captured[i] for i in layer_ids], dim=-1)
+    if top is not None:
+        return feats, next_ids, top.values, top.indices
     return (feats, next_ids) if with_next else feats
 
 
-def cache_key(target_name: str, layer_ids: Sequence[int], with_next: bool = False) -> str:
-    """Folder name of a cache: the target name (slugged), the layer ids, ``__next`` when it stores greedy labels."""
+def cache_key(target_name: str, layer_ids: Sequence[int], with_next: bool = False, topk: int = 0) -> str:
+    """Folder name of a cache: the target name (slugged), the layer ids, ``__next`` when it stores greedy labels,
+    ``__top<k>`` when it also stores the top-k logits."""
     slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", str(target_name).strip("/")).strip("_") or "target"
-    return f"{slug}__layers-{'-'.join(str(int(i)) for i in layer_ids)}" + ("__next" if with_next else "")
+    key = f"{slug}__layers-{'-'.join(str(int(i)) for i in layer_ids)}" + ("__next" if with_next else "")
+    return key + (f"__top{int(topk)}" if topk else "")
 
 
 def feature_length(input_ids: Sequence[int], response_mask: Sequence[int], max_length: int | None) -> int:
@@ -150,15 +163,25 @@ class FeatureCache:
         layer_ids: ``target_layer_ids`` of the drafter.
         with_next: also store the target's greedy next token at every position (``"<record_id>.next"``, int32;
             :meth:`get_next`): training labels that are the target's own choices whatever wrote the text.
+        topk: also store the target's ``topk`` largest next-token logits at every position (``"<record_id>.topv"``
+            ``(L, topk)`` float16 and ``"<record_id>.topi"`` int32; :meth:`get_topk`): distillation targets.
+            Implies ``with_next``; 0 = none.
+
+    Raises:
+        ValueError: ``topk`` is negative.
 
     Use :meth:`build` to compute what is missing and :meth:`get` to read ``(L, n*H_t)`` bfloat16 features.
     """
 
-    def __init__(self, root: str | os.PathLike, target_name: str, layer_ids: Sequence[int], with_next: bool = False):
+    def __init__(self, root: str | os.PathLike, target_name: str, layer_ids: Sequence[int], with_next: bool = False,
+                 topk: int = 0):
+        if int(topk) < 0:
+            raise ValueError(f"topk must be >= 0, got {topk}")
         self.layer_ids = [int(i) for i in layer_ids]
         self.target_name = str(target_name)
-        self.with_next = bool(with_next)
-        self.dir = Path(root) / cache_key(target_name, self.layer_ids, self.with_next)
+        self.topk = int(topk)
+        self.with_next = bool(with_next) or self.topk > 0
+        self.dir = Path(root) / cache_key(target_name, self.layer_ids, self.with_next, self.topk)
         self._index: dict[int, tuple[Path, int]] = {}
         self._handles: dict[Path, object] = {}
         self.refresh()
@@ -228,6 +251,15 @@ class FeatureCache:
         path, _ = self._index[int(record_id)]
         return self._handle(path).get_tensor(f"{int(record_id)}.next").long()
 
+    def get_topk(self, record_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(L, topk)`` float32 largest next-token logits of the target (descending) and ``(L, topk)`` int64 their
+        token ids, at each position. Raises KeyError if not stored."""
+        if not self.topk:
+            raise KeyError(f"{self.dir} stores no top-k logits (built without topk)")
+        path, _ = self._index[int(record_id)]
+        h = self._handle(path)
+        return h.get_tensor(f"{int(record_id)}.topv").float(), h.get_tensor(f"{int(record_id)}.topi").long()
+
     def missing(self, records: Iterable[dict], max_length: int | None) -> list[dict]:
         """Records (dicts with ``record_id``, ``input_ids``, ``response_mask``) whose features must be computed.
 
@@ -259,11 +291,13 @@ class FeatureCache:
             "vocab_size": tc.vocab_size,
             "layer_ids": self.layer_ids,
             "with_next": self.with_next,
+            "topk": self.topk,
         }
+        defaults = {"with_next": False, "topk": 0}  # caches written before these fields existed
         meta = self.meta
         if meta:
             for k, v in ident.items():
-                if meta.get("target", {}).get(k, False if k == "with_next" else None) != v:
+                if meta.get("target", {}).get(k, defaults.get(k)) != v:
                     raise ValueError(
                         f"The feature cache {self.dir} was built for {k}={meta.get('target', {}).get(k)!r}, not {v!r}: "
                         "use another --features-dir or delete that folder."
@@ -349,10 +383,14 @@ class FeatureCache:
         try:
             for rec, n in zip(todo, lengths):
                 ids = torch.tensor([list(rec["input_ids"][:n])], dtype=torch.long, device=device)
-                feats = target_features(target, ids, self.layer_ids, with_next=self.with_next)
+                feats = target_features(target, ids, self.layer_ids, with_next=self.with_next, topk=self.topk)
                 rid = int(rec["record_id"])
+                if self.topk:  # logits within a few units of each other: float16 keeps ~3 decimal digits
+                    feats, nxt, top_v, top_i = feats
+                    pending[f"{rid}.topv"] = top_v[0].to(torch.float16).cpu()
+                    pending[f"{rid}.topi"] = top_i[0].to(torch.int32).cpu()
                 if self.with_next:
-                    feats, nxt = feats
+                    feats, nxt = (feats, nxt) if self.topk else feats
                     pending[f"{rid}.next"] = nxt[0].to(torch.int32).cpu()
                 pending[str(rid)] = feats[0].to(STORAGE_DTYPE).contiguous().cpu()
                 pending[f"{rid}.ids"] = ids[0].to(torch.int32).cpu()
@@ -361,7 +399,7 @@ class FeatureCache:
                 bar.update(n)
                 last = done_records == len(todo)
                 over = time_budget_s is not None and time.time() - t0 > time_budget_s
-                if len(pending) >= (3 if self.with_next else 2) * shard_records or last or over:
+                if len(pending) >= (2 + self.with_next + 2 * bool(self.topk)) * shard_records or last or over:
                     batch, pending = pending, {}
                     self._write_shard(batch, save_file)
                     if over and not last:

@@ -8,6 +8,12 @@
   ``S_t(true predecessor, .)`` over the k candidates (target = the true token's index); same slot weights,
   normalised by their sum over those slots; added with ``selector_weight``. By default the selector trains on
   detached drafter hidden states and logits, so it re-ranks what the drafter proposes without pulling on it.
+* Distillation (optional, ``distill_weight`` ``w`` > 0, batches with ``soft_logits`` / ``soft_ids``): the block
+  loss becomes ``(1 - w) * CE(true token) + w * CE(q, p)``, where ``q`` is the target's next-token distribution
+  at the slot's predecessor position restricted to its stored top-k (softmax of those logits, the tokens outside
+  the draft vocabulary dropped and ``q`` renormalised) and ``p`` the drafter's; same slot weights. The soft
+  targets carry the target's ranking of the alternatives, which hard labels throw away (EAGLE trains on the
+  target's probabilities the same way: Li et al. 2024, arXiv:2401.15077; DistillSpec, arXiv:2310.08461).
 
 Logits are only computed for labelled slots (the LM head is the most expensive part of a step), and only over the
 drafter's draft vocabulary when it has one (``draft_vocab_ids``: the tokens it can propose when drafting); a label
@@ -95,6 +101,9 @@ def drafter_loss(
     gamma: float | None = None,
     selector_weight: float = 1.0,
     selector_detach: bool = True,
+    soft_logits: torch.Tensor | None = None,
+    soft_ids: torch.LongTensor | None = None,
+    distill_weight: float = 0.0,
 ) -> DrafterLossOutput:
     """Block cross entropy + selector loss + metrics for one batch.
 
@@ -108,12 +117,17 @@ def drafter_loss(
         gamma: slot-weight decay (default :func:`default_gamma`).
         selector_weight: weight of the selector loss (0 disables it; metrics are still reported).
         selector_detach: train the selector on detached hidden states / logits.
+        soft_logits: optional ``(b, Q, k)`` float target top-k next-token logits per slot (the collator's).
+        soft_ids: ``(b, Q, k)`` int64 their token ids.
+        distill_weight: share ``w`` of the distillation term in the block loss (module docstring); 0 = hard
+            labels only.
 
     Returns:
         :class:`DrafterLossOutput`.
 
     Raises:
-        ValueError: shapes do not match or ``Q`` is not a multiple of ``block_size``.
+        ValueError: shapes do not match, ``Q`` is not a multiple of ``block_size``, ``distill_weight`` outside
+            [0, 1], or ``distill_weight`` > 0 without ``soft_logits`` / ``soft_ids``.
     """
     b, Q = labels.shape
     if hidden.shape[:2] != (b, Q) or Q % block_size:
@@ -121,6 +135,10 @@ def drafter_loss(
             f"hidden {tuple(hidden.shape)} / labels {tuple(labels.shape)} do not match, or Q={Q} is not a multiple "
             f"of block_size={block_size}"
         )
+    if not 0.0 <= distill_weight <= 1.0:
+        raise ValueError(f"distill_weight must be in [0, 1], got {distill_weight}")
+    if distill_weight and (soft_logits is None or soft_ids is None):
+        raise ValueError("distill_weight > 0 needs soft_logits and soft_ids: build the features with --distill-topk")
     device = hidden.device
     weights = slot_weights(block_size, gamma).to(device)
     slots = (torch.arange(Q, device=device) % block_size).expand(b, Q)
@@ -135,24 +153,32 @@ def drafter_loss(
     zero = hidden.sum() * 0.0  # keeps the graph connected when nothing is labelled
     if y.numel() == 0:
         for k in ("top1_correct", "selector_correct", "topk_hit", "labels", "ce_sum", "ce_weight", "sel_sum",
-                  "sel_weight", "accept_top1", "accept_selector", "blocks", "selector_on"):
+                  "sel_weight", "accept_top1", "accept_selector", "blocks", "selector_on", "distill_sum",
+                  "distill_weight"):
             stats[k] = torch.zeros((), dtype=torch.float64)
         return DrafterLossOutput(zero, zero, zero, stats)
 
     head = draft_lm_head(lm_head, drafter)  # the rows drafting uses (6x fewer for 8192 of 49152)
     logits = drafter.compute_logits(h, head).float()  # (M, V) or (M, V_draft)
     vocab = getattr(drafter, "draft_vocab_ids", None)
+    soft_i = soft_ids[valid] if distill_weight else None
     if vocab is None or not isinstance(head, torch.Tensor):  # logits over the whole vocabulary
-        y_idx, to_ids = y, (lambda idx: idx)
-    else:  # over the draft vocabulary: map labels to its indices
+        to_idx, to_ids = (lambda ids: ids), (lambda idx: idx)
+    else:  # over the draft vocabulary: map token ids to its indices
         vocab = vocab.to(device)
-        index = torch.full((max(int(vocab.max()), int(y.max())) + 1,), -1, dtype=torch.long, device=device)
+        top = max(int(vocab.max()), int(y.max()), int(soft_i.max()) if soft_i is not None else 0)
+        index = torch.full((top + 1,), -1, dtype=torch.long, device=device)
         index[vocab] = torch.arange(vocab.numel(), device=device)
-        y_idx, to_ids = index[y], (lambda idx: vocab[idx])  # labels outside it (-1) cannot be drafted: no CE
+        to_idx, to_ids = (lambda ids: index[ids]), (lambda idx: vocab[idx])  # outside it (-1): cannot be drafted
+    y_idx = to_idx(y)
     w = weights[s]
     ce = F.cross_entropy(logits, y_idx, reduction="none", ignore_index=-1)
     w_ce = w * (y_idx >= 0)
     ce_loss = (w_ce * ce).sum() / w_ce.sum().clamp(min=1e-12)
+    block_loss, distill_stats = ce_loss, {}
+    if distill_weight:
+        block_loss, distill_stats = _distill(logits, soft_logits[valid].to(device), to_idx(soft_i), w, ce_loss,
+                                             distill_weight)
     with torch.no_grad():
         top1 = to_ids(logits.argmax(-1)) == y
         full_top1 = torch.zeros(b, Q, dtype=torch.bool, device=device)
@@ -197,8 +223,29 @@ def drafter_loss(
     else:
         for key in ("selector_correct", "topk_hit", "sel_sum", "sel_weight", "accept_selector", "selector_on"):
             stats[key] = torch.zeros((), dtype=torch.float64)
-    loss = ce_loss + selector_weight * sel_loss if selector_weight else ce_loss + 0.0 * sel_loss
+    stats["distill_sum"] = distill_stats.get("sum", torch.zeros((), dtype=torch.float64))
+    stats["distill_weight"] = distill_stats.get("weight", torch.zeros((), dtype=torch.float64))
+    loss = block_loss + selector_weight * sel_loss if selector_weight else block_loss + 0.0 * sel_loss
     return DrafterLossOutput(loss, ce_loss, sel_loss, stats)
+
+
+def _distill(logits: torch.Tensor, soft_logits: torch.Tensor, soft_idx: torch.LongTensor, w: torch.Tensor,
+             ce_loss: torch.Tensor, distill_weight: float):
+    """``(1 - w) * ce_loss + w * CE(q, p)`` over the labelled slots (module docstring) and its detached counters.
+
+    ``logits`` ``(M, V')`` drafter logits; ``soft_logits`` ``(M, k)`` target logits; ``soft_idx`` ``(M, k)`` their
+    indices into ``logits``' columns (-1: outside the draft vocabulary, dropped); ``w`` ``(M,)`` slot weights.
+    """
+    inside = soft_idx >= 0
+    q = torch.softmax(soft_logits.float().masked_fill(~inside, float("-inf")), dim=-1)
+    has = inside.any(-1)
+    q = torch.where(has[:, None], q, torch.zeros_like(q))  # no stored token can be drafted: no target (NaN-free)
+    logp = torch.log_softmax(logits, dim=-1).gather(-1, soft_idx.clamp(min=0))
+    soft_ce = -(q * logp).sum(-1)
+    w_soft = w * has
+    distill = (w_soft * soft_ce).sum() / w_soft.sum().clamp(min=1e-12)
+    counters = {"sum": (w_soft * soft_ce).detach().double().sum().cpu(), "weight": w_soft.detach().double().sum().cpu()}
+    return (1.0 - distill_weight) * ce_loss + distill_weight * distill, counters
 
 
 def _accept_stats(stats: dict, correct: torch.Tensor, valid: torch.Tensor, block_size: int, name: str) -> None:
@@ -229,8 +276,9 @@ def summarize_stats(stats: dict[str, torch.Tensor], prefix: str = "") -> dict[st
 
     Keys: ``acc_slot_{j}`` (top-1 accuracy of slot j, j = 1..B-1), ``acc_top1`` (all slots), ``acc_selector``
     (selector pick == true token), ``topk_recall`` (true token in top-k), ``ce_loss``, ``selector_loss``,
-    ``tau_top1`` / ``tau_selector`` (``1 +`` mean teacher-forced accepted run per block of the top-1 path / the
-    selector path: the greedy ``tau`` these blocks would get, truncated blocks included), ``labels``.
+    ``distill_loss`` (the soft cross entropy, when distilling), ``tau_top1`` / ``tau_selector`` (``1 +`` mean
+    teacher-forced accepted run per block of the top-1 path / the selector path: the greedy ``tau`` these blocks
+    would get, truncated blocks included), ``labels``.
     """
     out: dict[str, float] = {}
     n = float(stats["labels"])
@@ -247,6 +295,8 @@ def summarize_stats(stats: dict[str, torch.Tensor], prefix: str = "") -> dict[st
     out[f"{prefix}ce_loss"] = round(float(stats["ce_sum"] / stats["ce_weight"].clamp(min=1e-12)), 4)
     if float(stats["sel_weight"]) > 0:
         out[f"{prefix}selector_loss"] = round(float(stats["sel_sum"] / stats["sel_weight"]), 4)
+    if float(stats.get("distill_weight", 0)) > 0:
+        out[f"{prefix}distill_loss"] = round(float(stats["distill_sum"] / stats["distill_weight"]), 4)
     blocks = float(stats.get("blocks", 0))
     if blocks > 0:
         out[f"{prefix}tau_top1"] = round(1.0 + float(stats["accept_top1"]) / blocks, 3)

@@ -43,11 +43,14 @@ class DFlash2TrainingArguments(TrainingArguments):
         loss_gamma (`float`, *optional*): slot-weight decay; default from the block size (7 @ 16, 5 @ 10, 4 @ 8).
         selector_loss_weight (`float`): weight of the selector loss (0 = train the drafter only).
         selector_detach (`bool`): train the selector on detached drafter hidden states / logits.
+        distill_weight (`float`): share of the distillation term in the block loss (0 = hard labels only; needs
+            batches with the target's top-k logits, a feature cache built with ``topk``).
     """
 
     loss_gamma: float | None = field(default=None, metadata={"help": "slot weight decay gamma (default: by block size)"})
     selector_loss_weight: float = field(default=1.0, metadata={"help": "weight of the candidate-selector loss"})
     selector_detach: bool = field(default=True, metadata={"help": "selector loss does not back-propagate into the drafter"})
+    distill_weight: float = field(default=0.0, metadata={"help": "share of the top-k distillation term in the block loss"})
 
 
 def default_training_arguments(output_dir: str, **overrides) -> DFlash2TrainingArguments:
@@ -250,6 +253,9 @@ class DFlash2Trainer(Trainer):
             gamma=self.args.loss_gamma if isinstance(self.args, DFlash2TrainingArguments) else None,
             selector_weight=getattr(self.args, "selector_loss_weight", 1.0),
             selector_detach=getattr(self.args, "selector_detach", True),
+            soft_logits=inputs.get("soft_logits"),
+            soft_ids=inputs.get("soft_ids"),
+            distill_weight=getattr(self.args, "distill_weight", 0.0),
         )
         if model.training:
             self._train_stats = accumulate_stats(self._train_stats, res.stats)
