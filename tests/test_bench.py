@@ -43,6 +43,12 @@ def adapted(models, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def previous(models):
+    """Another drafter for the same target (other weights, block size 4): the dflash2_previous method's."""
+    return randomize_selector(make_drafter(models[0], seed=7, block_size=4), seed=8)
+
+
+@pytest.fixture(scope="module")
 def prompts():
     g = torch.Generator().manual_seed(0)
     random_prompt = torch.randint(6, 96, (9,), generator=g).tolist()
@@ -67,7 +73,7 @@ def _check_files(out, results, methods):
     for rec in data["records"]:
         assert rec["new_tokens"] > 0 and rec["seconds"] > 0 and rec["tokens_per_second"] > 0
         assert rec["forwards"]["target_forwards"] >= 1
-        if rec["method"] in ("dflash2", "dflash2_top1", "dflash2_dynamic", "dflash2_adapter"):
+        if rec["method"] in ("dflash2", "dflash2_top1", "dflash2_dynamic", "dflash2_adapter", "dflash2_previous"):
             stats = rec["generation_stats"]
             assert stats is not None
             # the hook-based accounting agrees with the loop's own statistics
@@ -94,15 +100,23 @@ def _check_files(out, results, methods):
     return data
 
 
-def test_bench_greedy(models, adapted, prompts, tmp_path):
+def test_bench_greedy(models, adapted, previous, prompts, tmp_path):
     target, drafter = models
     settings = BenchSettings(max_new_tokens=NEW, methods=METHODS, warmup_tokens=3, progress=False)
     results = run_benchmark(target, drafter, prompts, settings, out_dir=tmp_path,
                             meta={"target": "tiny-llama", "adapter": "a/b", "adapter_bytes": 1000,
-                                  "drafter_bytes": 10000}, adapted_drafter=adapted)
+                                  "drafter_bytes": 10000, "previous_drafter": "old/release"},
+                            adapted_drafter=adapted, previous_drafter=previous)
     data = _check_files(tmp_path, results, METHODS)
-    assert "LoRA adapter (method `dflash2_adapter`): `a/b` (0.00 MB = 10.0% of the drafter's" in (
-        tmp_path / "results.md").read_text()
+    md = (tmp_path / "results.md").read_text()
+    assert "LoRA adapter (method `dflash2_adapter`): `a/b` (0.00 MB = 10.0% of the drafter's" in md
+    assert "previous drafter (method `dflash2_previous`): `old/release`" in md
+    # the previous drafter drafted its own blocks (block size 4: at most 3 drafts, 3 acceptance positions)
+    prev = [r for r in data["records"] if r["method"] == "dflash2_previous"]
+    assert max(d for r in prev for d in r["generation_stats"]["draft_lengths"]) == 3
+    assert prev[-1]["generation_stats"] == json.loads(json.dumps(previous.generation_stats.to_dict()))
+    row = next(r for r in data["aggregates"] if r["dataset"] == "all" and r["method"] == "dflash2_previous")
+    assert len(row["per_position_acceptance"]) == 3
     # the adapter method drafted with the adapted drafter: its last record's statistics are the adapted
     # drafter's own (the base drafter's last run is a dflash2/dflash2_top1 one)
     last = [r for r in data["records"] if r["method"] == "dflash2_adapter"][-1]
@@ -148,10 +162,13 @@ def test_confidence_threshold_is_checked_when_used():
     BenchSettings(methods=("dflash2",), confidence_threshold=1.5)  # not used: no error
 
 
-def test_adapter_method_needs_its_drafter(models, prompts):
+def test_adapter_and_previous_methods_need_their_drafters(models, prompts):
     target, drafter = models
     settings = BenchSettings(max_new_tokens=NEW, methods=("dflash2_adapter",), warmup=False, progress=False)
     with pytest.raises(ValueError, match="dflash2_adapter needs adapted_drafter"):
+        run_benchmark(target, drafter, prompts, settings)
+    settings = BenchSettings(max_new_tokens=NEW, methods=("dflash2_previous",), warmup=False, progress=False)
+    with pytest.raises(ValueError, match="dflash2_previous needs previous_drafter"):
         run_benchmark(target, drafter, prompts, settings)
 
 

@@ -59,6 +59,17 @@ def test_prepare_train_lora_generate(tmp_path, monkeypatch):
     assert "LoRA adapter (method `dflash2_adapter`)" in (out / "results.md").read_text()
     assert main(["bench", "--target", t, "--drafter", str(tmp_path / "drafter"), "--adapter", str(tmp_path / "nope"),
                  "--datasets", str(prompts), "--out", str(tmp_path / "bench2"), "--no-progress"]) == 2
+    # a new drafter against the previous one (here: the adapter merged, saved as a drafter of its own)
+    adapted.merge_and_unload().save_pretrained(tmp_path / "merged")
+    bench = ["bench", "--target", t, "--drafter", str(tmp_path / "merged"), "--datasets", str(prompts),
+             "--num-prompts", "2", "--max-new-tokens", "8", "--no-plots", "--no-progress", "--no-warmup"]
+    assert main([*bench, "--previous-drafter", str(tmp_path / "drafter"), "--methods", "plain,dflash2",
+                 "--out", str(tmp_path / "bench3")]) == 0
+    results = json.loads((tmp_path / "bench3" / "results.json").read_text())
+    assert results["settings"]["methods"] == ["plain", "dflash2", "dflash2_previous"]
+    assert results["meta"]["previous_drafter"] == str(tmp_path / "drafter")
+    assert all(r["identical_to_plain"] for r in results["records"])
+    assert main([*bench, "--methods", "plain,dflash2_previous", "--out", str(tmp_path / "bench4")]) == 2
 
     # a code-domain set: prepare-data --only-code, then a LoRA run on all of it (--only-code keeps such a folder whole)
     assert main(["prepare-data", "--target", t, "--out", str(tmp_path / "code"), "--start", "0", "--stop", "20",

@@ -68,7 +68,7 @@ def load_adapted_drafter(spec: str, adapter_path: str | os.PathLike, target, dty
 
 def run_benchmark(target, drafter, prompts: dict[str, list[Prompt]], settings: BenchSettings | None = None,
                   out_dir: str | os.PathLike | None = None, meta: dict | None = None, plots: bool = True,
-                  adapted_drafter=None, reference_target=None) -> dict:
+                  adapted_drafter=None, reference_target=None, previous_drafter=None) -> dict:
     """Runs the benchmark and (with ``out_dir``) writes ``results.json``, ``results.md`` and the PNG plots.
 
     Args:
@@ -81,6 +81,8 @@ def run_benchmark(target, drafter, prompts: dict[str, list[Prompt]], settings: B
         meta: free description stored in ``results["meta"]`` (target / drafter names, dtype, ...).
         adapted_drafter: the drafter of the ``dflash2_adapter`` method (the same drafter with a LoRA adapter
             merged, see :func:`load_adapted_drafter`); needed only when that method is selected.
+        previous_drafter: the drafter of the ``dflash2_previous`` method (another drafter for the same target, e.g.
+            the previous release, :func:`load_drafter`); needed only when that method is selected.
         reference_target: greedy only, optional: the same target in float32 (``target`` itself in bf16/fp16); its
             plain greedy outputs are compared with ``target``'s, untimed, as ``results["calibration"]``
             (:func:`dflash2_hf.bench.fidelity.calibrate`).
@@ -104,7 +106,8 @@ def run_benchmark(target, drafter, prompts: dict[str, list[Prompt]], settings: B
             "use_candidate_selector", "selector_top_k", "selector_rank", "mask_token_id")})
     meta.setdefault("dtype", str(next(target.parameters()).dtype).replace("torch.", ""))
     env = environment(target)
-    records, run_info = run_methods(target, drafter, prompts, settings, adapted_drafter=adapted_drafter)
+    records, run_info = run_methods(target, drafter, prompts, settings, adapted_drafter=adapted_drafter,
+                                    previous_drafter=previous_drafter)
     env["machine"]["load_average_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
     calibration = None
     if settings.greedy:  # untimed, after the timed loop: re-runs plain where an output diverged

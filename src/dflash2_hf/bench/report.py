@@ -204,6 +204,8 @@ def markdown(results: dict) -> str:
             f"{meta['drafter_bytes'] / 1e6:.1f} MB" if meta.get("drafter_bytes") else "") + ")"
             if meta.get("adapter_bytes") else "")
         lines.append(f"- LoRA adapter (method `dflash2_adapter`): `{meta['adapter']}`{size}")
+    if meta.get("previous_drafter"):
+        lines.append(f"- previous drafter (method `dflash2_previous`): `{meta['previous_drafter']}`")
     warning = load_warning(env)
     if warning:
         lines.append(f"- **{warning}**")

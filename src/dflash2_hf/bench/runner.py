@@ -18,9 +18,13 @@ from .fidelity import NEAR_TIE_ULPS
 from .recorder import ForwardRecorder
 
 METHODS = ("plain", "prompt_lookup", "builtin_dflash", "dflash2_top1", "dflash2", "dflash2_dynamic", "dflash2_cost",
-           "dflash2_adapter")
-DRAFTER_METHODS = ("builtin_dflash", "dflash2_top1", "dflash2", "dflash2_dynamic", "dflash2_cost", "dflash2_adapter")
-STATS_METHODS = ("dflash2_top1", "dflash2", "dflash2_dynamic", "dflash2_cost", "dflash2_adapter")  # fill generation_stats
+           "dflash2_adapter", "dflash2_previous")
+DRAFTER_METHODS = ("builtin_dflash", "dflash2_top1", "dflash2", "dflash2_dynamic", "dflash2_cost", "dflash2_adapter",
+                   "dflash2_previous")
+STATS_METHODS = ("dflash2_top1", "dflash2", "dflash2_dynamic", "dflash2_cost", "dflash2_adapter",
+                 "dflash2_previous")  # fill generation_stats
+# methods that run another drafter than the main one (run_methods' extra_drafters keys)
+OWN_DRAFTER_METHODS = ("dflash2_adapter", "dflash2_previous")
 
 METHOD_DESCRIPTIONS = {
     "plain": "target.generate() without speculation",
@@ -39,6 +43,8 @@ METHOD_DESCRIPTIONS = {
                     "0 = a plain step; the curve is measured in the untimed warm-up)",
     "dflash2_adapter": "target.generate(assistant_model=adapted) with the same drafter plus a LoRA adapter, merged "
                        "(DFlash2 loop with the candidate selector)",
+    "dflash2_previous": "target.generate(assistant_model=previous) with another drafter for the same target, e.g. "
+                        "the previous release (DFlash2 loop with the candidate selector, full blocks)",
 }
 
 
@@ -201,27 +207,32 @@ class RawRecord:
 
 
 def run_methods(target, drafter, prompts: dict, settings: BenchSettings,
-                adapted_drafter=None) -> tuple[list[RawRecord], dict]:
+                adapted_drafter=None, previous_drafter=None) -> tuple[list[RawRecord], dict]:
     """Runs every method on every prompt (interleaved, rotated order); returns the raw records and run info.
 
     ``prompts``: ``{dataset name: [Prompt, ...]}`` (see :mod:`.prompts`). ``adapted_drafter``: the drafter of the
     ``dflash2_adapter`` method (``drafter`` + a LoRA adapter, merged: :func:`dflash2_hf.lora.load_adapter` then
     ``merge_and_unload()``), so base and adapted drafters are compared side by side on the same prompts.
+    ``previous_drafter``: the drafter of the ``dflash2_previous`` method (another drafter for the same target, e.g.
+    the previous release), compared the same way.
 
     Raises:
         ValueError: a drafter method without its drafter, or no prompts.
     """
     methods = settings.methods
-    if any(m in DRAFTER_METHODS and m != "dflash2_adapter" for m in methods) and drafter is None:
+    own = {"dflash2_adapter": (adapted_drafter, "adapted_drafter (dflash2 bench --adapter PATH)"),
+           "dflash2_previous": (previous_drafter, "previous_drafter (dflash2 bench --previous-drafter PATH)")}
+    if any(m in DRAFTER_METHODS and m not in own for m in methods) and drafter is None:
         raise ValueError(f"methods {[m for m in methods if m in DRAFTER_METHODS]} need a drafter")
-    if "dflash2_adapter" in methods and adapted_drafter is None:
-        raise ValueError("method dflash2_adapter needs adapted_drafter (dflash2 bench --adapter PATH)")
-    for d in (drafter, adapted_drafter):
+    for method, (model, what) in own.items():
+        if method in methods and model is None:
+            raise ValueError(f"method {method} needs {what}")
+    for d in (drafter, adapted_drafter, previous_drafter):
         if d is not None:
             d.check_target(target)
 
     def drafter_for(method: str):
-        return adapted_drafter if method == "dflash2_adapter" else drafter
+        return own[method][0] if method in own else drafter
 
     device = next(target.parameters()).device
     flat = [(name, p) for name, plist in prompts.items() for p in plist]
@@ -282,5 +293,6 @@ def run_methods(target, drafter, prompts: dict, settings: BenchSettings,
     return records, info
 
 
-__all__ = ["BenchSettings", "METHODS", "DRAFTER_METHODS", "STATS_METHODS", "METHOD_DESCRIPTIONS", "RawRecord",
+__all__ = ["BenchSettings", "METHODS", "DRAFTER_METHODS", "STATS_METHODS", "OWN_DRAFTER_METHODS", "METHOD_DESCRIPTIONS",
+           "RawRecord",
            "generate_once", "run_methods"]

@@ -39,9 +39,9 @@ def _csv(text: str) -> list[str]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from ..bench.runner import METHODS
+    from ..bench.runner import METHODS, OWN_DRAFTER_METHODS
 
-    default_methods = [m for m in METHODS if m != "dflash2_adapter"]
+    default_methods = [m for m in METHODS if m not in OWN_DRAFTER_METHODS]
     parser.add_argument("--target", default="smollm2",
                         help="target alias (smollm2, gemma3-270m) or a local transformers folder (default: smollm2)")
     parser.add_argument("--drafter", required=True,
@@ -50,6 +50,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--adapter", default=None,
                         help="a LoRA adapter folder for --drafter (dflash2 train --lora): adds the method "
                              "dflash2_adapter (drafter + adapter, merged) next to the others, measured in the same run")
+    parser.add_argument("--previous-drafter", default=None, metavar="DRAFTER",
+                        help="another drafter for the same target (folder or Hub id), e.g. the previous release: adds "
+                             "the method dflash2_previous (full blocks, selector on) measured in the same run, so "
+                             "tau, per-position acceptance and speedup of both are compared side by side")
     parser.add_argument("--adapter-no-strict", action="store_true",
                         help="load --adapter even if it was trained on other weights of a same-shaped drafter "
                              "(default: refuse)")
@@ -97,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
 
     from .. import __version__  # noqa: F401  (importing dflash2_hf installs the generate() routing)
     from ..bench import BenchSettings, load_adapted_drafter, load_bench_prompts, load_drafter, run_benchmark
-    from ..bench.runner import DRAFTER_METHODS, METHODS
+    from ..bench.runner import DRAFTER_METHODS, METHODS, OWN_DRAFTER_METHODS
     from ..targets import load_target
 
     methods = _csv(args.methods)
@@ -109,6 +113,12 @@ def run(args: argparse.Namespace) -> int:
         methods.append("dflash2_adapter")
     if "dflash2_adapter" in methods and not args.adapter:
         print("error: method dflash2_adapter needs --adapter PATH (a LoRA adapter folder for --drafter)",
+              file=sys.stderr)
+        return 2
+    if args.previous_drafter and "dflash2_previous" not in methods:
+        methods.append("dflash2_previous")
+    if "dflash2_previous" in methods and not args.previous_drafter:
+        print("error: method dflash2_previous needs --previous-drafter DRAFTER (another drafter for the target)",
               file=sys.stderr)
         return 2
     if "plain" not in methods:
@@ -138,15 +148,18 @@ def run(args: argparse.Namespace) -> int:
             print("note: --calibrate-fp32 needs greedy decoding and a bf16 target; skipped", file=sys.stderr)
         else:
             reference = load_target(args.target, dtype=torch.float32, device=device)[0]
-    needs_drafter = any(m in DRAFTER_METHODS and m != "dflash2_adapter" for m in settings.methods)
+    needs_drafter = any(m in DRAFTER_METHODS and m not in OWN_DRAFTER_METHODS for m in settings.methods)
     drafter_dtype, int8, drafter_dtype_label = (resolve_drafter_dtype(args.drafter_dtype, target.device)
                                                 if args.drafter_dtype else (dtype, False, dtype_label))
     drafter = load_drafter(args.drafter, target, dtype=drafter_dtype, int8=int8) if needs_drafter else None
     adapted = load_adapted_drafter(args.drafter, args.adapter, target, dtype=drafter_dtype,
                                    strict=not args.adapter_no_strict, int8=int8) if args.adapter else None
+    previous = (load_drafter(args.previous_drafter, target, dtype=drafter_dtype, int8=int8)
+                if args.previous_drafter else None)
     prompts, skipped = load_bench_prompts(_csv(args.datasets), tokenizer, args.num_prompts,
                                           max_prompt_tokens=args.max_prompt_tokens or None, chat=not args.raw_prompts)
-    meta = {"target": args.target, "drafter": args.drafter, "adapter": args.adapter, "dtype": dtype_label,
+    meta = {"target": args.target, "drafter": args.drafter, "adapter": args.adapter,
+            "previous_drafter": args.previous_drafter, "dtype": dtype_label,
             "drafter_dtype": drafter_dtype_label,
             "datasets": _csv(args.datasets), "skipped_prompts_too_long": skipped,
             "max_prompt_tokens": args.max_prompt_tokens or None, "raw_prompts": args.raw_prompts,
@@ -158,7 +171,7 @@ def run(args: argparse.Namespace) -> int:
         if os.path.isdir(args.drafter):
             meta["drafter_bytes"] = checkpoint_size_bytes(args.drafter)
     results = run_benchmark(target, drafter, prompts, settings, out_dir=args.out, meta=meta, plots=not args.no_plots,
-                            adapted_drafter=adapted, reference_target=reference)
+                            adapted_drafter=adapted, reference_target=reference, previous_drafter=previous)
     with open(f"{args.out}/results.md") as f:
         print(f.read())
     print("wrote: " + ", ".join(results["files"]))
