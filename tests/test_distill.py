@@ -148,14 +148,11 @@ def test_cli_trains_with_distillation_and_refuses_a_weight_without_logits(tmp_pa
     import json
 
     from dflash2_hf.cli import main
-    from test_data import _good_records, _tiny_llama, _tiny_tokenizer, _write_array
+    from test_data import _good_records, _write_array, tiny_chat_target_folder
 
     monkeypatch.setenv("DFLASH2_CACHE", str(tmp_path / "cache"))
-    tok = _tiny_tokenizer()
-    target = _tiny_llama(len(tok))
-    target.save_pretrained(tmp_path / "target")
-    tok.save_pretrained(tmp_path / "target")
-    t, src = str(tmp_path / "target"), str(_write_array(tmp_path / "sg.json", _good_records(4)))
+    t = tiny_chat_target_folder(tmp_path / "target")
+    src = str(_write_array(tmp_path / "sg.json", _good_records(4)))
     assert main(["prepare-data", "--target", t, "--source", src, "--out", str(tmp_path / "regen"), "--stop", "4",
                  "--max-new-tokens", "8", "--no-progress"]) == 0
     common = ["train", "--target", t, "--data", str(tmp_path / "regen"), "--num-layers", "1", "--block-size", "4",

@@ -109,18 +109,14 @@ def run(args: argparse.Namespace) -> int:
     if unknown:
         print(f"error: unknown method(s) {unknown}; choose from {list(METHODS)}", file=sys.stderr)
         return 2
-    if args.adapter and "dflash2_adapter" not in methods:
-        methods.append("dflash2_adapter")
-    if "dflash2_adapter" in methods and not args.adapter:
-        print("error: method dflash2_adapter needs --adapter PATH (a LoRA adapter folder for --drafter)",
-              file=sys.stderr)
-        return 2
-    if args.previous_drafter and "dflash2_previous" not in methods:
-        methods.append("dflash2_previous")
-    if "dflash2_previous" in methods and not args.previous_drafter:
-        print("error: method dflash2_previous needs --previous-drafter DRAFTER (another drafter for the target)",
-              file=sys.stderr)
-        return 2
+    for method, value, flag in (("dflash2_adapter", args.adapter, "--adapter PATH (a LoRA adapter folder for --drafter)"),
+                                ("dflash2_previous", args.previous_drafter,
+                                 "--previous-drafter DRAFTER (another drafter for the target)")):
+        if value and method not in methods:  # giving the flag selects its method
+            methods.append(method)
+        if method in methods and not value:
+            print(f"error: method {method} needs {flag}", file=sys.stderr)
+            return 2
     if "plain" not in methods:
         print("note: adding 'plain' (the reference of speedup and identity)", file=sys.stderr)
     if args.adapter:
