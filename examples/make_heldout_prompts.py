@@ -14,12 +14,11 @@
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import random
 from pathlib import Path
 
-from make_stdlib_code_prompts import function_stubs
+from make_stdlib_code_prompts import package_stubs
 
 from dflash2_hf.data import sharegpt_prompts
 from dflash2_hf.data.humaneval import HUMANEVAL_INSTRUCTION
@@ -28,18 +27,8 @@ LIBRARIES = ("networkx", "jinja2", "click", "fsspec", "dateutil", "markdown_it",
 
 
 def thirdparty_stubs(max_chars: int) -> list[tuple[str, str]]:
-    """``(id, stub)`` of documented public top-level functions of :data:`LIBRARIES` (those installed)."""
-    out, seen = [], set()
-    for lib in LIBRARIES:
-        spec = importlib.util.find_spec(lib)
-        if spec is None or not spec.submodule_search_locations:
-            continue
-        root = Path(list(spec.submodule_search_locations)[0])
-        for path in sorted(p for p in root.rglob("*.py") if "tests" not in p.parts and "test" not in p.parts):
-            for name, stub in function_stubs(path):
-                if name not in seen and len(stub) <= max_chars:
-                    seen.add(name)
-                    out.append((f"{lib}/{path.relative_to(root)}:{name}", stub))
+    """``(id, stub)`` of documented public top-level functions of :data:`LIBRARIES` (those installed), shuffled."""
+    out = package_stubs(LIBRARIES, max_chars)
     random.Random(0).shuffle(out)
     return out
 

@@ -1,4 +1,5 @@
-"""Builds a code-completion prompt set from the Python standard library, in ShareGPT format.
+"""Builds a code-completion prompt set from the Python standard library (and, with --packages, installed
+third-party packages), in ShareGPT format.
 
 Each prompt asks to complete one documented stdlib function given its signature and docstring (body removed):
 "Complete the following Python function:" + a fenced code block, the same instruction wording `dflash2 bench` uses
@@ -11,12 +12,20 @@ HumanEval). Feed the file to `dflash2 prepare-data --source` so the TARGET write
 
 Functions are taken in a fixed, shuffled order (seed 0); private names, methods, functions with a docstring shorter
 than 40 characters and duplicate names are skipped.
+
+A code LoRA adapter trained on the stdlib alone generalises poorly to other code; add the documented functions of
+installed third-party packages (never the held-out libraries of `examples/make_heldout_prompts.py`, which are
+refused):
+
+    python examples/make_stdlib_code_prompts.py --out data/code-prompts.json --max-prompts 3000 \
+        --packages numpy,pandas,sympy,matplotlib,requests,rich,pygments,yaml,packaging,pydantic,transformers
 """
 
 from __future__ import annotations
 
 import argparse
 import ast
+import importlib.util
 import json
 import random
 import sys
@@ -47,12 +56,38 @@ def function_stubs(path: Path):
         yield node.name, f'{header}\n    """\n{body}\n    """\n'
 
 
+def package_stubs(packages, max_chars: int, seen: set | None = None) -> list[tuple[str, str]]:
+    """``(id, stub)`` of the documented public top-level functions of installed ``packages`` (import names; those
+    not installed are skipped), test folders excluded, in file order; names in ``seen`` (updated) are skipped."""
+    out, seen = [], set() if seen is None else seen
+    for lib in packages:
+        spec = importlib.util.find_spec(lib)
+        if spec is None or not spec.submodule_search_locations:
+            continue
+        root = Path(list(spec.submodule_search_locations)[0])
+        for path in sorted(p for p in root.rglob("*.py") if "tests" not in p.parts and "test" not in p.parts):
+            for name, stub in function_stubs(path):
+                if name not in seen and len(stub) <= max_chars:
+                    seen.add(name)
+                    out.append((f"{lib}/{path.relative_to(root)}:{name}", stub))
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, help="output JSON array (ShareGPT format)")
     parser.add_argument("--max-prompts", type=int, default=1500)
     parser.add_argument("--max-chars", type=int, default=1500, help="skip stubs longer than this")
+    parser.add_argument("--packages", default="",
+                        help="comma-separated import names of installed third-party packages to add (not the "
+                             "held-out libraries of make_heldout_prompts.py)")
     args = parser.parse_args()
+    from make_heldout_prompts import LIBRARIES
+
+    packages = [p.strip() for p in args.packages.split(",") if p.strip()]
+    held_out = sorted(set(packages) & set(LIBRARIES))
+    if held_out:
+        parser.error(f"--packages {held_out} are the held-out libraries of make_heldout_prompts.py: never train on them")
 
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     files = sorted(p for p in stdlib.rglob("*.py") if "site-packages" not in p.parts and "test" not in p.parts
@@ -64,12 +99,15 @@ def main() -> None:
                 continue
             seen.add(name)
             stubs.append((f"{path.relative_to(stdlib)}:{name}", stub))
+    n_stdlib = len(stubs)
+    stubs += package_stubs(packages, args.max_chars, seen)
     random.Random(0).shuffle(stubs)
     records = [{"id": sid, "conversations": [{"from": "human", "value": HUMANEVAL_INSTRUCTION.format(prompt=stub)}]}
                for sid, stub in stubs[: args.max_prompts]]
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(records, indent=0), encoding="utf-8")
-    print(f"wrote {len(records)} prompts from {len(files)} stdlib files (Python {sys.version.split()[0]}) to {args.out}")
+    print(f"wrote {len(records)} prompts (of {n_stdlib} stdlib functions from {len(files)} files, Python "
+          f"{sys.version.split()[0]}, and {len(stubs) - n_stdlib} of the packages {packages}) to {args.out}")
 
 
 if __name__ == "__main__":
