@@ -44,6 +44,20 @@ def test_export_appends_shards_and_reads_back(tmp_path, tiny):
     assert sorted(rows["record_id"]) == list(range(6))
     card = (ds / "README.md").read_text()
     assert "path: data/train-*.parquet" in card and "| `data/train-00001.parquet` |" in card
+    # a --source file is named as the prompts' origin; the card does not claim ShareGPT's provenance or license
+    assert "prompts from the ShareGPT-format file `sg.json`" in card and "ShareGPT V3" not in card
+
+
+def test_the_committed_dataset_card_is_rendered_from_its_metadata():
+    """The shipped ShareGPT set's README is exactly what dataset_card() writes from its dflash2_dataset.json."""
+    from pathlib import Path
+
+    from dflash2_hf.data.hub_dataset import dataset_card
+
+    folder = Path(__file__).resolve().parents[1] / "dataset_cards" / "smollm2-135m-instruct-sharegpt-regenerated"
+    card = dataset_card(read_dataset_meta(folder))
+    assert card == (folder / "README.md").read_text()
+    assert "prompts from ShareGPT V3" in card and "nothing from 17000 on is ever read" in card
 
 
 def test_fresh_machine_resumes_from_the_dataset(tmp_path, tiny):
