@@ -115,6 +115,7 @@ def test_bench_greedy(models, adapted, previous, prompts, tmp_path):
     prev = [r for r in data["records"] if r["method"] == "dflash2_previous"]
     assert max(d for r in prev for d in r["generation_stats"]["draft_lengths"]) == 3
     assert prev[-1]["generation_stats"] == json.loads(json.dumps(previous.generation_stats.to_dict()))
+    assert all(r["forwards"]["drafter_calls"] > 0 for r in prev)  # its forwards are hooked too
     row = next(r for r in data["aggregates"] if r["dataset"] == "all" and r["method"] == "dflash2_previous")
     assert len(row["per_position_acceptance"]) == 3
     # the adapter method drafted with the adapted drafter: its last record's statistics are the adapted

@@ -44,6 +44,21 @@ def test_cache_stores_the_targets_top_k_logits(tmp_path):
         FeatureCache(tmp_path, "tiny", [0], topk=-1)
 
 
+def test_a_distillation_cache_keeps_the_texts_labels_unless_target_labels_is_asked(tmp_path):
+    target = _target()
+    drafter = _drafter(target)
+    recs, cache, _ = _cached_items(tmp_path, target, drafter)
+    plain = FeatureDataset(recs, cache, max_length=30, target_labels=False)[0]
+    assert "target_next" not in plain and "target_topk_logits" in plain
+    assert "target_next" in FeatureDataset(recs, cache, max_length=30, target_labels=True)[0]
+    no_next = FeatureCache(tmp_path, "tiny", drafter.config.target_layer_ids)
+    with pytest.raises(ValueError, match="greedy tokens"):
+        FeatureDataset(recs, no_next, target_labels=True)
+    with pytest.raises(ValueError, match="vocabulary"):
+        FeatureCache(tmp_path / "big", "tiny", drafter.config.target_layer_ids, topk=10**6).build(
+            target, recs, progress=False)
+
+
 def test_collator_gives_each_slot_the_distribution_of_its_predecessor_position(tmp_path):
     target = _target()
     drafter = _drafter(target)
@@ -129,6 +144,29 @@ def test_distillation_over_the_draft_vocabulary_drops_tokens_outside_it():
     cols = torch.tensor([{int(t): i for i, t in enumerate(vocab)}[int(t)] for t in soft_ids[0, 0, keep]])
     valid = labels[0] != IGNORE_INDEX
     soft_ce = -(q * logp[:, cols]).sum(-1)
+    w = slot_weights(4).repeat(2)[valid]
+    torch.testing.assert_close(out.loss, (w * soft_ce[valid]).sum() / w.sum())
+
+
+def test_a_biased_lm_head_with_a_draft_vocabulary_maps_labels_and_soft_ids():
+    """A biased head over the draft rows is an nn.Linear (not a tensor): the loss must still map ids to its rows."""
+    target = _target()
+    drafter = _drafter(target)
+    vocab = torch.arange(3, 128, 2)
+    drafter.set_draft_vocab(vocab)
+    head = torch.nn.Linear(target.config.hidden_size, target.config.vocab_size, bias=True)
+    with torch.no_grad():
+        head.weight.copy_(target.get_output_embeddings().weight)
+        head.bias.normal_(0, 1.0, generator=torch.Generator().manual_seed(3))
+    hidden, labels, preds = _loss_inputs(target, drafter)
+    soft_ids = torch.tensor([5, 7, 9, 11, 13, 15, 17, 19]).repeat(1, 8, 1)
+    soft_logits = torch.linspace(1.0, -1.0, K).repeat(1, 8, 1)
+    out = drafter_loss(drafter, hidden, labels, preds, head, 4, selector_weight=0.0, distill_weight=1.0,
+                       soft_logits=soft_logits, soft_ids=soft_ids)
+    logp = F.log_softmax(drafter.compute_logits(hidden[0], head)[:, vocab].float(), -1)
+    cols = torch.tensor([{int(t): i for i, t in enumerate(vocab)}[int(t)] for t in soft_ids[0, 0]])
+    soft_ce = -(F.softmax(soft_logits[0, 0], -1) * logp[:, cols]).sum(-1)
+    valid = labels[0] != IGNORE_INDEX
     w = slot_weights(4).repeat(2)[valid]
     torch.testing.assert_close(out.loss, (w * soft_ce[valid]).sum() / w.sum())
 

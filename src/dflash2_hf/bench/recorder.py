@@ -46,13 +46,17 @@ def _input_length(args: tuple, kwargs: dict) -> int | None:
 
 
 class ForwardRecorder:
-    """Records the forwards of ``target`` (input length, cache length, seconds) and the seconds of ``drafter``.
+    """Records the forwards of ``target`` (input length, cache length, seconds) and the seconds of the drafters.
 
+    ``drafter``: one drafter module or several (e.g. the main one and a previous release), None = none; their
+    forwards are counted together (one method runs one drafter at a time).
     Use as a context manager around the whole benchmark; call :meth:`reset` before each ``generate()``.
     """
 
-    def __init__(self, target: torch.nn.Module, drafter: torch.nn.Module | None = None):
-        self.target, self.drafter = target, drafter
+    def __init__(self, target: torch.nn.Module, drafter=None):
+        self.target = target
+        drafters = drafter if isinstance(drafter, (list, tuple)) else [drafter]
+        self.drafters = list({id(d): d for d in drafters if d is not None}.values())
         self.device = next(target.parameters()).device
         self.handles = []
         self.reset()
@@ -91,9 +95,9 @@ class ForwardRecorder:
     def __enter__(self) -> "ForwardRecorder":
         self.handles.append(self.target.register_forward_pre_hook(self._target_pre, with_kwargs=True))
         self.handles.append(self.target.register_forward_hook(self._target_post, with_kwargs=True))
-        if self.drafter is not None:
-            self.handles.append(self.drafter.register_forward_pre_hook(self._drafter_pre, with_kwargs=True))
-            self.handles.append(self.drafter.register_forward_hook(self._drafter_post, with_kwargs=True))
+        for drafter in self.drafters:
+            self.handles.append(drafter.register_forward_pre_hook(self._drafter_pre, with_kwargs=True))
+            self.handles.append(drafter.register_forward_hook(self._drafter_post, with_kwargs=True))
         return self
 
     def __exit__(self, *exc) -> None:

@@ -247,7 +247,7 @@ def run_methods(target, drafter, prompts: dict, settings: BenchSettings,
     records: list[RawRecord] = []
     info = {"started_at": time.strftime("%Y-%m-%dT%H:%M:%S"), "warmup_seconds": {}}
     try:
-        with ForwardRecorder(target, drafter) as recorder:
+        with ForwardRecorder(target, [drafter, adapted_drafter, previous_drafter]) as recorder:
             if settings.warmup:
                 ids = torch.tensor([flat[0][1].input_ids], device=device)
                 for method in methods:

@@ -4,7 +4,8 @@ Runs every method on the same prompts, interleaved per prompt (rotating the meth
 warm-up generation per method. Methods: plain, prompt_lookup, builtin_dflash (transformers' own DFlash loop with our
 drafter), dflash2_top1 (our loop, selector off), dflash2 (our loop with the candidate selector), dflash2_dynamic
 (dflash2 with a confidence-cut draft length), dflash2_cost (dflash2 with the draft length chosen from the measured
-verification cost curve and the calibrated selector probabilities).
+verification cost curve and the calibrated selector probabilities); with --adapter also dflash2_adapter (the
+drafter plus a LoRA adapter), with --previous-drafter also dflash2_previous (another drafter, e.g. the last release).
 
 Writes to --out: results.json (settings, versions, machine, per-prompt raw numbers, aggregates), results.md (the
 table printed at the end), acceptance_per_position.png and speedup.png. How to read the columns: docs/bench.md.
@@ -79,7 +80,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-k", type=int, default=0, help="top-k sampling filter (default 0 = off)")
     parser.add_argument("--methods", default=",".join(default_methods),
                         help=f"comma-separated subset of {','.join(METHODS)} (plain is always run: it is the "
-                             "reference of the speedup and of the identity check; --adapter adds dflash2_adapter)")
+                             "reference of the speedup and of the identity check; --adapter adds dflash2_adapter, "
+                             "--previous-drafter dflash2_previous)")
     parser.add_argument("--prompt-lookup-tokens", type=int, default=10,
                         help="prompt_lookup_num_tokens of the prompt_lookup baseline (default 10)")
     parser.add_argument("--confidence-threshold", type=probability, default=0.7,

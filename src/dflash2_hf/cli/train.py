@@ -193,7 +193,7 @@ def _eval_only(args, target, drafter, progress, tokenizer, resume_from: str | No
                          **cache_kwargs(args))
     cache.build(target, recs, max_length=args.max_length, compute_dtype=getattr(torch, args.feature_dtype),
                 progress=progress)
-    dataset = FeatureDataset(recs, cache, max_length=args.max_length)
+    dataset = FeatureDataset(recs, cache, max_length=args.max_length, target_labels=args.target_labels)
     emb, head = freeze_target(target)
     collator = BlockCollator(block_size=cfg.block_size, mask_token_id=cfg.mask_token_id, num_blocks=args.num_blocks,
                              max_length=args.max_length)
@@ -272,7 +272,7 @@ def run(args: argparse.Namespace) -> int:
                                  time_budget_s=budget)
         logger.info("features of %s: %d records computed (%d tokens, %.0f tokens/s), %d cached in %s", data_dir,
                     stats["computed"], stats["tokens"], stats["tokens_per_s"], stats["cached"], part_cache.dir)
-        part = FeatureDataset(recs, part_cache, max_length=args.max_length)
+        part = FeatureDataset(recs, part_cache, max_length=args.max_length, target_labels=args.target_labels)
         logger.info("training data from %s: %d sequences, %d context tokens, %d response tokens (%d records not "
                     "cached)", data_dir, len(part), part.num_tokens(), part.num_response_tokens(), part.skipped)
         parts.append(part)
@@ -295,7 +295,8 @@ def run(args: argparse.Namespace) -> int:
                                   **cache_kwargs(args))
         eval_cache.build(target, eval_records, max_length=args.max_length,
                          compute_dtype=getattr(torch, args.feature_dtype), progress=progress)
-        eval_dataset = FeatureDataset(eval_records, eval_cache, max_length=args.max_length)
+        eval_dataset = FeatureDataset(eval_records, eval_cache, max_length=args.max_length,
+                                      target_labels=args.target_labels)
         logger.info("evaluation data: %d held-out sequences", len(eval_dataset))
 
     collator = BlockCollator(block_size=cfg.block_size, mask_token_id=cfg.mask_token_id, num_blocks=args.num_blocks,

@@ -41,7 +41,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "needed for `prepare-data --original-answers` folders, the same labels on regenerated data")
     g.add_argument("--distill-topk", type=int, default=0, metavar="K",
                    help="also store the target's K largest next-token logits with the features (a separate "
-                        "cache; implies the target's greedy tokens) and distil them: see --distill-weight")
+                        "cache, which also holds the target's greedy tokens; the labels stay the text's tokens "
+                        "unless --target-labels) and distil them: see --distill-weight")
     g.add_argument("--distill-weight", type=float, default=None, metavar="W",
                    help="block loss = (1 - W) * cross entropy on the true token + W * cross entropy to the target's "
                         "top-K distribution (default 0.5 with --distill-topk, else 0)")

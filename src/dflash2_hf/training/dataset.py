@@ -84,12 +84,19 @@ class FeatureDataset(Dataset):
     Items (what :class:`~dflash2_hf.training.collator.BlockCollator` takes): ``record_id`` int, ``input_ids``
     ``(L,)`` int64, ``response_mask`` ``(L,)`` bool, ``context_hidden_states`` ``(L, n*H_t)`` bfloat16 (read from
     disk on access), where ``L`` is the cached length; ``target_next`` ``(L,)`` int64 (the target's greedy next
-    token at each position) when the cache stores it; ``target_topk_logits`` ``(L, k)`` float32 and
+    token at each position) when the cache stores it and ``target_labels`` is on; ``target_topk_logits`` ``(L, k)`` float32 and
     ``target_topk_ids`` ``(L, k)`` int64 (its k largest next-token logits) when the cache stores them.
     """
 
-    def __init__(self, records: Sequence[dict], cache: FeatureCache, max_length: int | None = None):
+    def __init__(self, records: Sequence[dict], cache: FeatureCache, max_length: int | None = None,
+                 target_labels: bool | None = None):
+        """``target_labels``: give the items the target's greedy tokens (the collator then labels with them);
+        default: whenever the cache stores them. A cache built for distillation stores them too, which must not
+        switch the labels by itself: pass ``False`` there."""
         self.cache = cache
+        self.target_labels = cache.with_next if target_labels is None else bool(target_labels)
+        if self.target_labels and not cache.with_next:
+            raise ValueError(f"target_labels needs a cache with the target's greedy tokens; {cache.dir} has none")
         stale = {r["record_id"] for r in cache.missing(records, max_length)}
         self.records = [r for r in records if r["record_id"] not in stale and r["record_id"] in cache]
         self.skipped = len(records) - len(self.records)
@@ -127,7 +134,7 @@ class FeatureDataset(Dataset):
             "response_mask": torch.tensor(rec["response_mask"][:L], dtype=torch.bool),
             "context_hidden_states": feats,
         }
-        if self.cache.with_next:
+        if self.target_labels:
             item["target_next"] = self.cache.get_next(rec["record_id"])
         if self.cache.topk:
             item["target_topk_logits"], item["target_topk_ids"] = self.cache.get_topk(rec["record_id"])

@@ -293,13 +293,16 @@ class FeatureCache:
             "with_next": self.with_next,
             "topk": self.topk,
         }
+        if self.topk > tc.vocab_size:
+            raise ValueError(f"topk={self.topk} is more than the target's vocabulary of {tc.vocab_size} tokens")
         defaults = {"with_next": False, "topk": 0}  # caches written before these fields existed
         meta = self.meta
         if meta:
             for k, v in ident.items():
                 if meta.get("target", {}).get(k, defaults.get(k)) != v:
                     raise ValueError(
-                        f"The feature cache {self.dir} was built for {k}={meta.get('target', {}).get(k)!r}, not {v!r}: "
+                        f"The feature cache {self.dir} was built for "
+                        f"{k}={meta.get('target', {}).get(k, defaults.get(k))!r}, not {v!r}: "
                         "use another --features-dir or delete that folder."
                     )
             if meta.get("compute_dtype") != str(compute_dtype).replace("torch.", ""):

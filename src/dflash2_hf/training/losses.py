@@ -74,7 +74,8 @@ class DrafterLossOutput:
     """Result of :func:`drafter_loss`.
 
     Attributes:
-        loss: scalar, ``ce_loss + selector_weight * selector_loss`` (differentiable).
+        loss: scalar, ``ce_loss + selector_weight * selector_loss`` (differentiable); with ``distill_weight``
+            ``w`` the block term is ``(1 - w) * ce_loss + w * distillation loss``.
         ce_loss: scalar weighted block cross entropy (differentiable).
         selector_loss: scalar weighted selector cross entropy (0 without selector / eligible slots).
         stats: detached float64 counters to accumulate over steps (see :func:`summarize_stats`):
@@ -162,7 +163,7 @@ def drafter_loss(
     logits = drafter.compute_logits(h, head).float()  # (M, V) or (M, V_draft)
     vocab = getattr(drafter, "draft_vocab_ids", None)
     soft_i = soft_ids[valid] if distill_weight else None
-    if vocab is None or not isinstance(head, torch.Tensor):  # logits over the whole vocabulary
+    if vocab is None or logits.shape[-1] != vocab.numel():  # logits over the whole vocabulary
         to_idx, to_ids = (lambda ids: ids), (lambda idx: idx)
     else:  # over the draft vocabulary: map token ids to its indices
         vocab = vocab.to(device)
