@@ -303,7 +303,7 @@ before it, never on {src['original']}. Made by `dflash2 prepare-data` and append
 
 **Counts**: {counts}. {src['ids']}
 
-Generation settings: `{json.dumps(gen_settings)}`.
+Generation settings: `{json.dumps(gen_settings)}`.{chr(10) * 2 + "Note: " + gen["note"] if gen.get("note") else ""}
 
 ## Columns
 `record_id` (int64), `source_id` ({src['source_id']}), `input_ids` (the whole conversation as the
