@@ -23,7 +23,7 @@ DRAFTER_METHODS = ("builtin_dflash", "dflash2_top1", "dflash2", "dflash2_dynamic
                    "dflash2_previous")
 STATS_METHODS = ("dflash2_top1", "dflash2", "dflash2_dynamic", "dflash2_cost", "dflash2_adapter",
                  "dflash2_previous")  # fill generation_stats
-# methods that run another drafter than the main one (run_methods' extra_drafters keys)
+# methods that run another drafter than the main one (run_methods' adapted_drafter / previous_drafter)
 OWN_DRAFTER_METHODS = ("dflash2_adapter", "dflash2_previous")
 
 METHOD_DESCRIPTIONS = {
@@ -294,5 +294,4 @@ def run_methods(target, drafter, prompts: dict, settings: BenchSettings,
 
 
 __all__ = ["BenchSettings", "METHODS", "DRAFTER_METHODS", "STATS_METHODS", "OWN_DRAFTER_METHODS", "METHOD_DESCRIPTIONS",
-           "RawRecord",
-           "generate_once", "run_methods"]
+           "RawRecord", "generate_once", "run_methods"]

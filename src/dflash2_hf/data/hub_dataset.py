@@ -274,6 +274,7 @@ def dataset_card(meta: dict) -> str:
         f"{s['records']} | {s['response_tokens']} | {s['truncated_responses']} | {len(s['skipped_record_ids'])} | "
         f"{s['bytes'] / 1e6:.2f} MB | {s['created']} |" for s in meta["shards"])
     counts = "; ".join(f"{s}: {n} conversations, {t} regenerated response tokens" for s, (n, t) in total.items())
+    note = f"\n\nNote: {gen['note']}" if gen.get("note") else ""
     gen_settings = {k: gen.get(k) for k in ("do_sample", "max_new_tokens", "max_prompt_tokens", "max_turns",
                                             "stop_token_ids", "padding_side", "cache_implementation") if k in gen}
     return f"""---
@@ -303,7 +304,7 @@ before it, never on {src['original']}. Made by `dflash2 prepare-data` and append
 
 **Counts**: {counts}. {src['ids']}
 
-Generation settings: `{json.dumps(gen_settings)}`.{chr(10) * 2 + "Note: " + gen["note"] if gen.get("note") else ""}
+Generation settings: `{json.dumps(gen_settings)}`.{note}
 
 ## Columns
 `record_id` (int64), `source_id` ({src['source_id']}), `input_ids` (the whole conversation as the

@@ -386,15 +386,14 @@ class FeatureCache:
         try:
             for rec, n in zip(todo, lengths):
                 ids = torch.tensor([list(rec["input_ids"][:n])], dtype=torch.long, device=device)
-                feats = target_features(target, ids, self.layer_ids, with_next=self.with_next, topk=self.topk)
+                out = target_features(target, ids, self.layer_ids, with_next=self.with_next, topk=self.topk)
+                feats, *extra = out if self.with_next else (out,)
                 rid = int(rec["record_id"])
-                if self.topk:  # logits within a few units of each other: float16 keeps ~3 decimal digits
-                    feats, nxt, top_v, top_i = feats
-                    pending[f"{rid}.topv"] = top_v[0].to(torch.float16).cpu()
-                    pending[f"{rid}.topi"] = top_i[0].to(torch.int32).cpu()
                 if self.with_next:
-                    feats, nxt = (feats, nxt) if self.topk else feats
-                    pending[f"{rid}.next"] = nxt[0].to(torch.int32).cpu()
+                    pending[f"{rid}.next"] = extra[0][0].to(torch.int32).cpu()
+                if self.topk:  # logits within a few units of each other: float16 keeps ~3 decimal digits
+                    pending[f"{rid}.topv"] = extra[1][0].to(torch.float16).cpu()
+                    pending[f"{rid}.topi"] = extra[2][0].to(torch.int32).cpu()
                 pending[str(rid)] = feats[0].to(STORAGE_DTYPE).contiguous().cpu()
                 pending[f"{rid}.ids"] = ids[0].to(torch.int32).cpu()
                 done_tokens += n
