@@ -6,9 +6,14 @@
 * ``code``: "complete this function" prompts (the HumanEval instruction wording) built from documented public
   functions of THIRD-PARTY libraries installed next to this package (networkx, jinja2, click, fsspec, ...): code
   that is neither HumanEval nor the standard library the code LoRA adapter trains on.
+* ``--validation-out``: a code VALIDATION set for choosing between training arms (teacher-forced, after
+  ``dflash2 prepare-data --source`` lets the target write the answers), from other libraries again
+  (:data:`VALIDATION_LIBRARIES`: fontTools, _pytest, anyio, ...), so the held-out prompts above are never used to
+  tune anything. ShareGPT format (a JSON array), which ``prepare-data --source`` reads.
 
     python examples/make_heldout_prompts.py --out-dir runs/heldout --num-prompts 20
     dflash2 bench --datasets runs/heldout/sharegpt-16500.jsonl,runs/heldout/thirdparty-code.jsonl ...
+    python examples/make_heldout_prompts.py --out-dir runs/heldout --validation-out data/validation-code-prompts.json
 """
 
 from __future__ import annotations
@@ -24,11 +29,15 @@ from dflash2_hf.data import sharegpt_prompts
 from dflash2_hf.data.humaneval import HUMANEVAL_INSTRUCTION
 
 LIBRARIES = ("networkx", "jinja2", "click", "fsspec", "dateutil", "markdown_it", "pyarrow", "filelock", "idna")
+# Never trained on either; these only pick between training arms. No library here copies stdlib modules (dill and
+# multiprocess do), so no validation function is a training function under another name.
+VALIDATION_LIBRARIES = ("fontTools", "_pytest", "anyio", "urllib3", "contourpy", "pyparsing", "regex",
+                        "charset_normalizer", "pydantic_core")
 
 
-def thirdparty_stubs(max_chars: int) -> list[tuple[str, str]]:
-    """``(id, stub)`` of documented public top-level functions of :data:`LIBRARIES` (those installed), shuffled."""
-    out = package_stubs(LIBRARIES, max_chars)
+def thirdparty_stubs(max_chars: int, libraries=LIBRARIES) -> list[tuple[str, str]]:
+    """``(id, stub)`` of documented public top-level functions of ``libraries`` (those installed), shuffled."""
+    out = package_stubs(libraries, max_chars)
     random.Random(0).shuffle(out)
     return out
 
@@ -39,6 +48,9 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=20)
     parser.add_argument("--start", type=int, default=16500, help="first ShareGPT dev record (< 17000)")
     parser.add_argument("--max-chars", type=int, default=1200, help="skip code stubs longer than this")
+    parser.add_argument("--validation-out", default=None,
+                        help="also write a code validation set (ShareGPT-format JSON) from VALIDATION_LIBRARIES")
+    parser.add_argument("--num-validation", type=int, default=160)
     args = parser.parse_args()
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -52,6 +64,13 @@ def main() -> None:
             f.write(json.dumps({"id": sid, "prompt": HUMANEVAL_INSTRUCTION.format(prompt=stub)}) + "\n")
     print(f"wrote {len(chat)} ShareGPT prompts (records {chat[0][0]}..{chat[-1][0]}) and {len(code)} third-party "
           f"code prompts to {out}")
+    if args.validation_out:
+        stubs = thirdparty_stubs(args.max_chars, VALIDATION_LIBRARIES)[: args.num_validation]
+        records = [{"id": sid, "conversations": [{"from": "human", "value": HUMANEVAL_INSTRUCTION.format(prompt=stub)}]}
+                   for sid, stub in stubs]
+        Path(args.validation_out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.validation_out).write_text(json.dumps(records, indent=0), encoding="utf-8")
+        print(f"wrote {len(records)} validation code prompts to {args.validation_out}")
 
 
 if __name__ == "__main__":

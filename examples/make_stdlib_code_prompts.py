@@ -14,8 +14,8 @@ Functions are taken in a fixed, shuffled order (seed 0); private names, methods,
 than 40 characters and duplicate names are skipped.
 
 A code LoRA adapter trained on the stdlib alone generalises poorly to other code; add the documented functions of
-installed third-party packages (never the held-out libraries of `examples/make_heldout_prompts.py`, which are
-refused):
+installed third-party packages (never the held-out or validation libraries of `examples/make_heldout_prompts.py`,
+which are refused):
 
     python examples/make_stdlib_code_prompts.py --out data/code-prompts.json --max-prompts 3000 \
         --packages numpy,pandas,sympy,matplotlib,requests,rich,pygments,yaml,packaging,pydantic,transformers
@@ -82,12 +82,13 @@ def main() -> None:
                         help="comma-separated import names of installed third-party packages to add (not the "
                              "held-out libraries of make_heldout_prompts.py)")
     args = parser.parse_args()
-    from make_heldout_prompts import LIBRARIES
+    from make_heldout_prompts import LIBRARIES, VALIDATION_LIBRARIES
 
     packages = [p.strip() for p in args.packages.split(",") if p.strip()]
-    held_out = sorted(set(packages) & set(LIBRARIES))
+    held_out = sorted(set(packages) & set(LIBRARIES + VALIDATION_LIBRARIES))
     if held_out:
-        parser.error(f"--packages {held_out} are the held-out libraries of make_heldout_prompts.py: never train on them")
+        parser.error(f"--packages {held_out} are held-out or validation libraries of make_heldout_prompts.py: "
+                     "never train on them")
 
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     files = sorted(p for p in stdlib.rglob("*.py") if "site-packages" not in p.parts and "test" not in p.parts

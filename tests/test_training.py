@@ -363,6 +363,23 @@ def test_follow_data_adds_new_records(tmp_path, target):
     assert cb.refresh() == 0
 
 
+def test_follow_data_grows_a_concatenation_with_extra_data(tmp_path, target):
+    """--follow-data next to --extra-data: records appended to the first part are drawn (indexable) afterwards."""
+    from dflash2_hf.training import FollowDataCallback, GrowingConcatDataset
+
+    drafter = _drafter(target)
+    recs, extra = _records(4, seed=12), _records(2, seed=13)
+    cache, extra_cache = (FeatureCache(tmp_path / d, "tiny-llama", drafter.config.target_layer_ids) for d in "ab")
+    cache.build(target, recs[:1], progress=False)
+    extra_cache.build(target, extra, progress=False)
+    ds = FeatureDataset(recs[:1], cache)
+    both = GrowingConcatDataset([ds, FeatureDataset(extra, extra_cache)])
+    assert len(both) == 3
+    cb = FollowDataCallback(ds, cache, target, load_records=lambda: list(recs))
+    assert cb.refresh() == 3 and len(both) == 6
+    assert [both[i]["record_id"] for i in range(6)] == [r["record_id"] for r in recs + extra]
+
+
 def test_evaluate_is_deterministic_and_logged(tmp_path, target):
     recs = _records(4, seed=8)
     trainer = _trainer(target, tmp_path / "run", _drafter(target), recs, tmp_path / "feat", max_steps=2)

@@ -212,6 +212,7 @@ def run(args: argparse.Namespace) -> int:
         FeatureCache,
         FeatureDataset,
         FollowDataCallback,
+        GrowingConcatDataset,
         default_training_arguments,
         load_training_records,
         write_summary,
@@ -279,7 +280,7 @@ def run(args: argparse.Namespace) -> int:
     if args.features_only:
         return 0
     dataset, cache = parts[0], parts[0].cache  # --follow-data grows the --data part
-    train_set = dataset if len(parts) == 1 else torch.utils.data.ConcatDataset(parts)
+    train_set = dataset if len(parts) == 1 else GrowingConcatDataset(parts)
     if len(train_set) == 0:
         logger.error("no training sequence has cached features: nothing to train on")
         return 1

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Sequence
 
 import torch
-from torch.utils.data import Dataset
+from torch.utils.data import ConcatDataset, Dataset
 
 from .features import FeatureCache
 
@@ -141,4 +141,21 @@ class FeatureDataset(Dataset):
         return item
 
 
-__all__ = ["FeatureDataset", "load_training_records", "normalize_record"]
+class GrowingConcatDataset(ConcatDataset):
+    """:class:`torch.utils.data.ConcatDataset` whose parts may grow while it is in use.
+
+    ``ConcatDataset`` fixes its offsets when built, so records that ``--follow-data`` appends to the first part
+    (a :class:`FeatureDataset`) would never be drawn next to an ``--extra-data`` part; here the offsets follow the
+    parts' current lengths (a sampler re-reads ``len()`` at every epoch).
+    """
+
+    @property
+    def cumulative_sizes(self) -> list[int]:
+        return self.cumsum(self.datasets)
+
+    @cumulative_sizes.setter
+    def cumulative_sizes(self, _value) -> None:  # ConcatDataset.__init__ assigns the sizes of the moment
+        pass
+
+
+__all__ = ["FeatureDataset", "GrowingConcatDataset", "load_training_records", "normalize_record"]
