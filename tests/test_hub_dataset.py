@@ -60,6 +60,22 @@ def test_the_committed_dataset_card_is_rendered_from_its_metadata():
     assert "prompts from ShareGPT V3" in card and "nothing from 17000 on is ever read" in card
 
 
+def test_an_evaluation_only_folder_serves_its_dev_split_for_evaluation(tmp_path, tiny):
+    """A --split dev folder (e.g. the code validation set): evaluation reads its dev records, training reads none,
+    and the card says it is evaluation data."""
+    from dflash2_hf.training import load_training_records
+
+    model, tok = tiny
+    src = _write_array(tmp_path / "val.json", _good_records(4))
+    work, ds = tmp_path / "work", tmp_path / "ds"
+    prepare_data(model, tok, work, stop=4, max_new_tokens=3, source_path=src, progress=False)
+    export_prepared(work, ds, split="dev")
+    assert [r["record_id"] for r in load_training_records(ds, train_only=False)] == [0, 1, 2, 3]
+    assert load_training_records(ds) == []
+    card = (ds / "README.md").read_text()
+    assert "(drafter evaluation data)" in card and 'split="dev"' in card and "never train on it" in card
+
+
 def test_fresh_machine_resumes_from_the_dataset(tmp_path, tiny):
     model, tok = tiny
     src = _write_array(tmp_path / "sg.json", _good_records(5) + [{"id": "bad", "conversations": []}])

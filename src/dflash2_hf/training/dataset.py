@@ -57,14 +57,18 @@ def load_training_records(
         data_dir: folder written by ``dflash2 prepare-data``.
         max_records: keep the first ``max_records`` records (by ``record_id``), e.g. to fit a time budget.
         train_only: for ShareGPT-derived folders, drop records outside the training range ``[0, 16000)``
-            (dev / held-out records must never be trained on; DESIGN.md section 7).
+            (dev / held-out records must never be trained on; DESIGN.md section 7). ``False`` asks for
+            evaluation records: of a committed dataset folder (``dflash2 export-data``) that is its ``dev`` split.
 
     Raises:
         FileNotFoundError: ``data_dir`` holds no prepared shards yet.
     """
     from ..data import TRAIN_RANGE, load_prepared
+    from ..data.hub_dataset import is_dataset_folder, load_dataset_folder
 
-    recs = [normalize_record(r) for r in load_prepared(data_dir)]
+    held_out = not train_only and is_dataset_folder(data_dir)
+    recs = [normalize_record(r) for r in (load_dataset_folder(data_dir, split="dev") if held_out
+                                          else load_prepared(data_dir))]
     if train_only:
         kept = [r for r in recs if TRAIN_RANGE[0] <= r["record_id"] < TRAIN_RANGE[1]]
         if len(kept) != len(recs):
