@@ -23,7 +23,7 @@ import json
 import random
 from pathlib import Path
 
-from make_stdlib_code_prompts import package_stubs
+from make_stdlib_code_prompts import package_stubs, write_prompt_file
 
 from dflash2_hf.data import sharegpt_prompts
 from dflash2_hf.data.humaneval import HUMANEVAL_INSTRUCTION
@@ -65,11 +65,8 @@ def main() -> None:
     print(f"wrote {len(chat)} ShareGPT prompts (records {chat[0][0]}..{chat[-1][0]}) and {len(code)} third-party "
           f"code prompts to {out}")
     if args.validation_out:
-        stubs = thirdparty_stubs(args.max_chars, VALIDATION_LIBRARIES)[: args.num_validation]
-        records = [{"id": sid, "conversations": [{"from": "human", "value": HUMANEVAL_INSTRUCTION.format(prompt=stub)}]}
-                   for sid, stub in stubs]
-        Path(args.validation_out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.validation_out).write_text(json.dumps(records, indent=0), encoding="utf-8")
+        records = write_prompt_file(args.validation_out,
+                                    thirdparty_stubs(args.max_chars, VALIDATION_LIBRARIES)[: args.num_validation])
         print(f"wrote {len(records)} validation code prompts to {args.validation_out}")
 
 

@@ -73,6 +73,16 @@ def package_stubs(packages, max_chars: int, seen: set | None = None) -> list[tup
     return out
 
 
+def write_prompt_file(path, stubs) -> list[dict]:
+    """Writes ``(id, stub)`` pairs as "complete this function" prompts in ShareGPT format (what
+    ``prepare-data --source`` reads); returns the records."""
+    records = [{"id": sid, "conversations": [{"from": "human", "value": HUMANEVAL_INSTRUCTION.format(prompt=stub)}]}
+               for sid, stub in stubs]
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(records, indent=0), encoding="utf-8")
+    return records
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, help="output JSON array (ShareGPT format)")
@@ -103,10 +113,7 @@ def main() -> None:
     n_stdlib = len(stubs)
     stubs += package_stubs(packages, args.max_chars, seen)
     random.Random(0).shuffle(stubs)
-    records = [{"id": sid, "conversations": [{"from": "human", "value": HUMANEVAL_INSTRUCTION.format(prompt=stub)}]}
-               for sid, stub in stubs[: args.max_prompts]]
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(records, indent=0), encoding="utf-8")
+    records = write_prompt_file(args.out, stubs[: args.max_prompts])
     print(f"wrote {len(records)} prompts (of {n_stdlib} stdlib functions from {len(files)} files, Python "
           f"{sys.version.split()[0]}, and {len(stubs) - n_stdlib} of the packages {packages}) to {args.out}")
 
