@@ -404,3 +404,25 @@ def test_follow_data_replaces_regenerated_records(tmp_path, target):
     assert cb.refresh() == 1 and len(ds) == 3
     item = next(ds[i] for i in range(3) if ds.records[i]["record_id"] == 0)
     assert item["input_ids"][0] == 4 and cache.get_ids(0)[0] == 4
+
+
+def test_follow_data_picks_up_features_another_process_cached(tmp_path, target):
+    """A --features-only job on the other core fills the cache: the training run's refresh takes those features
+    instead of computing them again, for an --extra-data part too (its records never change)."""
+    from dflash2_hf.training import FollowDataCallback, GrowingConcatDataset
+
+    drafter = _drafter(target)
+    recs, extra = _records(3, seed=14), _records(4, seed=15)
+    ids = drafter.config.target_layer_ids
+    cache, extra_cache = (FeatureCache(tmp_path / d, "tiny-llama", ids) for d in "ab")
+    cache.build(target, recs, progress=False)
+    extra_cache.build(target, extra[:1], progress=False)
+    ds, extra_ds = FeatureDataset(recs, cache), FeatureDataset(extra, extra_cache)
+    both = GrowingConcatDataset([ds, extra_ds])
+    assert len(both) == 4 and extra_ds.skipped == 3
+    # time_budget_s=0 computes at most one record per refresh: the other process does the rest
+    cb = FollowDataCallback(extra_ds, extra_cache, target, load_records=lambda: list(extra), time_budget_s=0)
+    FeatureCache(tmp_path / "b", "tiny-llama", ids).build(target, extra[1:3], progress=False)  # "another process"
+    assert cb.refresh() == 3 and len(both) == 7
+    assert extra_cache.meta["builds"][-1]["records"] == 1  # only the one record nobody had cached
+    assert [both[i]["record_id"] for i in range(7)] == [r["record_id"] for r in recs + extra]

@@ -19,6 +19,7 @@ training blocks) and pred_tokens_per_s (labelled slots per wall second, feature 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import os
@@ -279,8 +280,7 @@ def run(args: argparse.Namespace) -> int:
         parts.append(part)
     if args.features_only:
         return 0
-    dataset, cache = parts[0], parts[0].cache  # --follow-data grows the --data part
-    train_set = dataset if len(parts) == 1 else GrowingConcatDataset(parts)
+    train_set = parts[0] if len(parts) == 1 else GrowingConcatDataset(parts)  # parts grow under --follow-data
     if len(train_set) == 0:
         logger.error("no training sequence has cached features: nothing to train on")
         return 1
@@ -334,12 +334,14 @@ def run(args: argparse.Namespace) -> int:
     targs = default_training_arguments(args.output, **overrides)
     trainer = DFlash2Trainer(model=model, args=targs, target=target, train_dataset=train_set, eval_dataset=eval_dataset,
                              data_collator=collator)
-    if args.follow_data:
-        trainer.add_callback(FollowDataCallback(
-            dataset, cache, target,
-            load_records=load_records,
-            max_length=args.max_length, every_steps=args.follow_every, time_budget_s=budget,
-            compute_dtype=getattr(torch, args.feature_dtype)))
+    if args.follow_data:  # every part: --data gains new records, every part gains features cached meanwhile
+        loaders = [load_records, *(functools.partial(load_training_records, d, max_records=args.max_records)
+                                   for d in args.extra_data)]
+        for part, loader in zip(parts, loaders):
+            trainer.add_callback(FollowDataCallback(
+                part, part.cache, target, load_records=loader,
+                max_length=args.max_length, every_steps=args.follow_every, time_budget_s=budget,
+                compute_dtype=getattr(torch, args.feature_dtype)))
     os.makedirs(args.output, exist_ok=True)
     with open(os.path.join(args.output, "train_command.json"), "w") as f:
         json.dump({"argv": sys.argv, "args": vars(args), "threads": torch.get_num_threads()}, f, indent=2,

@@ -26,11 +26,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_device_argument(g, "the target's feature pass and the training")
     g.add_argument("--max-records", type=int, default=None, help="use the first N records (by record_id)")
     g.add_argument("--feature-time-budget", type=float, default=None,
-                   help="stop computing features after this many minutes and train on what is cached")
+                   help="stop computing features after this many minutes (per data folder; with --follow-data "
+                        "also per refresh) and train on what is cached")
     g.add_argument("--features-only", action="store_true", help="fill the feature cache and exit")
     g.add_argument("--follow-data", action="store_true",
-                   help="keep picking up records a still-running prepare-data job adds (at every epoch start and "
-                        "every --follow-every steps); their features are computed in this process")
+                   help="keep picking up records a still-running prepare-data job adds to --data, and features "
+                        "another process (a --features-only job) caches for any part (at every epoch start and "
+                        "every --follow-every steps); features still missing are computed in this process, within "
+                        "--feature-time-budget per part and refresh (0: leave them to that other job)")
     g.add_argument("--follow-every", type=int, default=None, help="with --follow-data: also refresh every N steps")
     g.add_argument("--extra-data", action="append", default=[], metavar="DIR",
                    help="another prepared folder trained together with --data (its own feature cache next to "

@@ -128,6 +128,10 @@ class FollowDataCallback(TrainerCallback):
     every ``every_steps`` steps), re-reads the data folder, computes the features of the new records (at most
     ``time_budget_s`` seconds per refresh) and appends them to the dataset.
 
+    The cache index is re-read first, so features that another process wrote meanwhile (a ``dflash2 train
+    --features-only`` job on the other core) are picked up instead of computed again; with ``time_budget_s=0`` a
+    refresh computes at most one record and leaves the rest to that job.
+
     The Trainer's epoch length stays what it was at the start (``len(dataset)`` then), but its random sampler
     draws each epoch from the grown dataset, so new records are trained on from the next epoch on.
     """
@@ -147,6 +151,7 @@ class FollowDataCallback(TrainerCallback):
             logger.warning("follow-data: could not read the data folder (%s); keeping %d sequences", err,
                            len(self.dataset))
             return 0
+        self.cache.refresh()
         have = {r["record_id"]: i for i, r in enumerate(self.dataset.records)}
         new = [r for r in records if r["record_id"] not in have]
         # a record regenerated with other tokens under the same id (the data folder was rebuilt): drop the old
@@ -162,8 +167,8 @@ class FollowDataCallback(TrainerCallback):
         stats = self.cache.build(self.target, new, max_length=self.max_length, compute_dtype=self.compute_dtype,
                                  progress=False, time_budget_s=self.time_budget_s)
         added = self.dataset.add_records(new, self.max_length)
-        logger.info("follow-data: +%d sequences (features for %d records, %.0f tokens/s) -> %d sequences", added,
-                    stats["computed"], stats["tokens_per_s"], len(self.dataset))
+        logger.info("follow-data %s: +%d sequences (features for %d records, %.0f tokens/s) -> %d sequences",
+                    self.cache.dir.parent.name, added, stats["computed"], stats["tokens_per_s"], len(self.dataset))
         return added
 
     def on_epoch_begin(self, args, state, control, **kwargs):
