@@ -21,7 +21,7 @@ from pathlib import Path
 import dflash2_hf  # noqa: F401
 from dflash2_hf import DFlash2DraftModel
 from dflash2_hf.data import load_prepared, read_meta
-from dflash2_hf.hub import HUB_ORG_PLACEHOLDER, bench_results_section, build_adapter_card
+from dflash2_hf.hub import HUB_ORG_PLACEHOLDER, bench_results_section, build_adapter_card, copy_bench_files
 from dflash2_hf.lora import FINGERPRINT_FILE, adapter_size_bytes, checkpoint_size_bytes, load_adapter
 
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", FINGERPRINT_FILE)
@@ -75,10 +75,7 @@ def main() -> None:
     size, base_size = adapter_size_bytes(out), checkpoint_size_bytes(base_dir)
 
     results = bench_results_section(args.bench)
-    if args.bench:  # ship the raw measurement with the card, so every number in it can be recomputed
-        (out / "bench").mkdir(exist_ok=True)
-        for f in [Path(args.bench).with_name("results.json"), *Path(args.bench).parent.glob("*.png")]:
-            shutil.copy2(f, out / "bench" / f.name)
+    copy_bench_files(args.bench, out)
     digest = hashlib.sha256((out / "adapter_model.safetensors").read_bytes()).hexdigest()
     assert digest == hashlib.sha256((adapter_dir / "adapter_model.safetensors").read_bytes()).hexdigest()
     results = (f"Adapter size: {size / 1e6:.2f} MB = {100 * size / base_size:.1f}% of the base drafter's "

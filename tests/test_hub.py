@@ -174,3 +174,20 @@ def test_bench_results_section_quotes_the_command_and_table(tmp_path):
     assert text.startswith("Measured with `dflash2 bench --out x`") and text.endswith("| tau | 1.5 |\n")
     assert "\n### DFlash2 benchmark\n" in text and "\n# " not in text  # a sub-heading of the card's results section
     assert bench_results_section(None) == "No benchmark was run for this folder."
+
+
+def test_copy_bench_files_replaces_an_earlier_release(tmp_path):
+    from dflash2_hf.hub import copy_bench_files
+
+    run = tmp_path / "bench-run"
+    run.mkdir()
+    for name in ("results.md", "results.json", "speedup.png"):
+        (run / name).write_text(name)
+    card = tmp_path / "card"
+    (card / "bench" / "old-machine").mkdir(parents=True)
+    (card / "bench" / "results.json").write_text("old")
+    copy_bench_files(run / "results.md", card)
+    assert sorted(p.name for p in (card / "bench").iterdir()) == ["results.json", "speedup.png"]
+    assert (card / "bench" / "results.json").read_text() == "results.json"
+    copy_bench_files(None, card)  # no bench run: the folder stays as it is
+    assert (card / "bench" / "speedup.png").exists()

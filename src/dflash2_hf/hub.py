@@ -193,6 +193,19 @@ def bench_results_section(results_md: str | os.PathLike | None, missing: str = "
             if command else "") + table
 
 
+def copy_bench_files(results_md: str | os.PathLike | None, folder: str | os.PathLike) -> None:
+    """Ships a ``dflash2 bench`` run's raw files with a card: its ``results.json`` and plots, into ``folder/bench/``
+    (replacing what an earlier release left there), so every number in the card can be recomputed."""
+    if not results_md:
+        return
+    dest = Path(folder) / "bench"
+    if dest.is_dir():
+        shutil.rmtree(dest)
+    dest.mkdir(parents=True)
+    for f in [Path(results_md).with_name("results.json"), *Path(results_md).parent.glob("*.png")]:
+        shutil.copy2(f, dest / f.name)
+
+
 def resolve_model_card(drafter, model_card: ModelCard | str | os.PathLike | None) -> ModelCard:
     """The card to publish: the one given, else the ``README.md`` of the folder the drafter was loaded from."""
     if isinstance(model_card, ModelCard):

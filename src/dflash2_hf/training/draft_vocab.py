@@ -8,10 +8,12 @@ import torch
 
 
 def draft_vocab_from_records(records, size: int, always: list[int] | None = None) -> tuple[torch.LongTensor, float]:
-    """The ``size`` most frequent RESPONSE tokens of target-regenerated records (``input_ids`` + ``response_spans``).
+    """The ``size`` most frequent RESPONSE tokens of target-regenerated records (``input_ids`` + ``response_spans``,
+    or the ``response_mask`` of training records).
 
     Args:
-        records: prepared records (:func:`dflash2_hf.data.load_prepared`).
+        records: prepared records (:func:`dflash2_hf.data.load_prepared`) or training records
+            (:func:`dflash2_hf.training.load_training_records`).
         size: draft vocabulary size.
         always: ids to include whatever their count (e.g. EOS / end-of-turn tokens).
 
@@ -25,8 +27,11 @@ def draft_vocab_from_records(records, size: int, always: list[int] | None = None
     counts: Counter = Counter()
     for rec in records:
         ids = rec["input_ids"]
-        for start, end in rec["response_spans"]:
-            counts.update(ids[start:end])
+        if "response_spans" in rec:
+            for start, end in rec["response_spans"]:
+                counts.update(ids[start:end])
+        else:
+            counts.update(t for t, m in zip(ids, rec["response_mask"]) if m)
     total = sum(counts.values())
     if total == 0:
         raise ValueError("The records hold no response tokens to choose a draft vocabulary from.")
