@@ -18,9 +18,9 @@ import torch
 import dflash2_hf  # noqa: F401
 from dflash2_hf import DFlash2DraftModel
 from dflash2_hf.data import read_meta
-from dflash2_hf.training.dataset import load_training_records
 from dflash2_hf.hub import HUB_ORG_PLACEHOLDER, bench_results_section, build_model_card, copy_bench_files
-from dflash2_hf.training.draft_vocab import draft_vocab_from_records
+from dflash2_hf.training.dataset import load_training_records
+from dflash2_hf.training.draft_vocab import draft_vocab_coverage, draft_vocab_from_records
 
 
 def training_chain(drafter_dir: Path) -> list[dict]:
@@ -53,11 +53,10 @@ def data_line(data_dir: Path, records: list[dict]) -> str:
             f"tokens; settings `{json.dumps(gen)}`")
 
 
-def recipe_text(drafter_dir: Path, data: dict[Path, list[dict]], coverage: float, vocab: int,
+def recipe_text(drafter_dir: Path, chain: list[dict], data: dict[Path, list[dict]], coverage: float, vocab: int,
                 out: Path | None = None) -> str:
-    """The card's recipe section. ``data``: every folder the last stage trained on (``--data`` first, then its
-    ``--extra-data``), with its training records."""
-    chain = training_chain(drafter_dir)
+    """The card's recipe section. ``chain``: :func:`training_chain` of ``drafter_dir``; ``data``: every folder the
+    last stage trained on (``--data`` first, then its ``--extra-data``), with its training records."""
     summary_path = drafter_dir / "training_summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
     followed = any(c["args"].get("follow_data") for c in chain)
@@ -100,6 +99,8 @@ def main() -> None:
 
     drafter_dir, out = Path(args.drafter), Path(args.out)
     chain = training_chain(drafter_dir)
+    if not args.data and not chain:
+        parser.error(f"{drafter_dir} has no train_command.json to read its data folders from: pass --data")
     folders = [args.data] if args.data else [chain[-1]["args"]["data"], *chain[-1]["args"].get("extra_data", [])]
     data = {Path(d): load_training_records(d) for d in folders}
     records = [r for recs in data.values() for r in recs]
@@ -109,10 +110,7 @@ def main() -> None:
     if drafter.draft_vocab_ids is not None and not args.new_draft_vocab:
         # trained with it (the training loss runs over the draft vocabulary): keep it; report its coverage here
         ids = drafter.draft_vocab_ids.cpu()
-        inside = torch.zeros(drafter.config.vocab_size, dtype=torch.bool)
-        inside[ids] = True
-        resp = [t for r in records for t, m in zip(r["input_ids"], r["response_mask"]) if m]
-        coverage = float(inside[torch.tensor(resp)].float().mean())
+        coverage = draft_vocab_coverage(ids.tolist(), records)
     else:
         ids, coverage = draft_vocab_from_records(records, args.draft_vocab, always=always)
         drafter.set_draft_vocab(ids)
@@ -125,7 +123,7 @@ def main() -> None:
         base_model=args.base_model,
         repo_id=f"{HUB_ORG_PLACEHOLDER}/{out.name}",
         datasets=["anon8231489123/ShareGPT_Vicuna_unfiltered"],
-        recipe=recipe_text(drafter_dir, data, coverage, int(ids.numel()), out),
+        recipe=recipe_text(drafter_dir, chain, data, coverage, int(ids.numel()), out),
         results=results,
     )
     card.save(out / "README.md")

@@ -27,3 +27,12 @@ def test_draft_vocab_from_training_records_matches_spans():
     ids, coverage = draft_vocab_from_records(masked, size=2, always=[2])
     assert (ids.tolist(), coverage) == (draft_vocab_from_records(records, size=2, always=[2])[0].tolist(),
                                         pytest.approx(5 / 6))
+
+
+def test_draft_vocab_coverage_counts_response_tokens():
+    from dflash2_hf.training.draft_vocab import draft_vocab_coverage
+
+    records = [{"input_ids": [1, 1, 7, 7, 8, 2], "response_spans": [[2, 6]]}]
+    assert draft_vocab_coverage([7, 2], records) == pytest.approx(3 / 4)
+    with pytest.raises(ValueError, match="no response tokens"):
+        draft_vocab_coverage([7], [{"input_ids": [1], "response_spans": []}])

@@ -7,6 +7,35 @@ from collections import Counter
 import torch
 
 
+def response_token_counts(records) -> Counter:
+    """How often each token id occurs in the RESPONSES of ``records`` (prepared records with ``response_spans`` or
+    training records with ``response_mask``)."""
+    counts: Counter = Counter()
+    for rec in records:
+        ids = rec["input_ids"]
+        if "response_spans" in rec:
+            for start, end in rec["response_spans"]:
+                counts.update(ids[start:end])
+        else:
+            counts.update(t for t, m in zip(ids, rec["response_mask"]) if m)
+    return counts
+
+
+def draft_vocab_coverage(token_ids, records) -> float:
+    """Share of the response tokens of ``records`` inside the draft vocabulary ``token_ids`` (the ceiling on
+    per-position acceptance the restriction imposes on that data).
+
+    Raises:
+        ValueError: no response tokens in ``records``.
+    """
+    counts = response_token_counts(records)
+    total = sum(counts.values())
+    if total == 0:
+        raise ValueError("The records hold no response tokens to measure a draft vocabulary's coverage on.")
+    inside = {int(t) for t in token_ids}
+    return sum(n for t, n in counts.items() if t in inside) / total
+
+
 def draft_vocab_from_records(records, size: int, always: list[int] | None = None) -> tuple[torch.LongTensor, float]:
     """The ``size`` most frequent RESPONSE tokens of target-regenerated records (``input_ids`` + ``response_spans``,
     or the ``response_mask`` of training records).
@@ -24,14 +53,7 @@ def draft_vocab_from_records(records, size: int, always: list[int] | None = None
     Raises:
         ValueError: no response tokens in ``records``, or ``size`` < len(always).
     """
-    counts: Counter = Counter()
-    for rec in records:
-        ids = rec["input_ids"]
-        if "response_spans" in rec:
-            for start, end in rec["response_spans"]:
-                counts.update(ids[start:end])
-        else:
-            counts.update(t for t, m in zip(ids, rec["response_mask"]) if m)
+    counts = response_token_counts(records)
     total = sum(counts.values())
     if total == 0:
         raise ValueError("The records hold no response tokens to choose a draft vocabulary from.")
@@ -43,5 +65,4 @@ def draft_vocab_from_records(records, size: int, always: list[int] | None = None
             break
         if token not in chosen:
             chosen.append(token)
-    coverage = sum(counts[t] for t in chosen) / total
-    return torch.tensor(sorted(chosen), dtype=torch.long), coverage
+    return torch.tensor(sorted(chosen), dtype=torch.long), draft_vocab_coverage(chosen, records)
