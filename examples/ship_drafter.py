@@ -77,8 +77,10 @@ def recipe_text(drafter_dir: Path, chain: list[dict], data: dict[Path, list[dict
         f"weights{start}:\n{stages}\n"
         f"- **Summary** of the last stage: "
         f"`{json.dumps({k: v for k, v in list(summary.items())[:12] if k != 'feature_cache'}) if summary else 'n/a'}`\n"
-        f"- **Draft vocabulary**: the {vocab} most frequent response tokens of that data (coverage {coverage:.4f} of "
-        "its response tokens); the target's LM head is applied to those rows only when drafting.\n"
+        f"- **Draft vocabulary**: {vocab} target token ids, chosen by response-token frequency when the first stage "
+        f"of this drafter's line was trained from scratch (an `--init` stage keeps its drafter's list); they cover "
+        f"{coverage:.4f} of that data's response tokens; the target's LM head is applied to those rows only when "
+        "drafting.\n"
         "- **Weights** stored in bf16 (drafting in bf16 on an fp32 target is lossless: the target verifies)."
     )
 
