@@ -53,8 +53,16 @@ def data_line(data_dir: Path, records: list[dict]) -> str:
             f"tokens; settings `{json.dumps(gen)}`")
 
 
+def vocab_source(vocab: int, kept: bool) -> str:
+    """Where the shipped draft-vocabulary rows come from: kept from training, or chosen here from the data."""
+    if kept:  # the training loss ran over these rows; an --init stage inherits its drafter's list unchanged
+        return (f"the {vocab} target token ids the drafter was trained with (chosen by response-token frequency when "
+                "its line was first trained; every `--init` stage keeps them)")
+    return f"the {vocab} most frequent response tokens of that data, chosen when shipping"
+
+
 def recipe_text(drafter_dir: Path, chain: list[dict], data: dict[Path, list[dict]], coverage: float, vocab: int,
-                out: Path | None = None) -> str:
+                vocab_kept: bool, out: Path | None = None) -> str:
     """The card's recipe section. ``chain``: :func:`training_chain` of ``drafter_dir``; ``data``: every folder the
     last stage trained on (``--data`` first, then its ``--extra-data``), with its training records."""
     summary_path = drafter_dir / "training_summary.json"
@@ -77,10 +85,8 @@ def recipe_text(drafter_dir: Path, chain: list[dict], data: dict[Path, list[dict
         f"weights{start}:\n{stages}\n"
         f"- **Summary** of the last stage: "
         f"`{json.dumps({k: v for k, v in list(summary.items())[:12] if k != 'feature_cache'}) if summary else 'n/a'}`\n"
-        f"- **Draft vocabulary**: {vocab} target token ids, chosen by response-token frequency when the first stage "
-        f"of this drafter's line was trained from scratch (an `--init` stage keeps its drafter's list); they cover "
-        f"{coverage:.4f} of that data's response tokens; the target's LM head is applied to those rows only when "
-        "drafting.\n"
+        f"- **Draft vocabulary**: {vocab_source(vocab, vocab_kept)}; they cover {coverage:.4f} of that data's response "
+        "tokens; the target's LM head is applied to those rows only when drafting.\n"
         "- **Weights** stored in bf16 (drafting in bf16 on an fp32 target is lossless: the target verifies)."
     )
 
@@ -109,7 +115,8 @@ def main() -> None:
     drafter = DFlash2DraftModel.from_pretrained(drafter_dir).to(torch.bfloat16)
     eos = drafter.config.eos_token_id
     always = eos if isinstance(eos, list) else [eos] if eos is not None else []
-    if drafter.draft_vocab_ids is not None and not args.new_draft_vocab:
+    vocab_kept = drafter.draft_vocab_ids is not None and not args.new_draft_vocab
+    if vocab_kept:
         # trained with it (the training loss runs over the draft vocabulary): keep it; report its coverage here
         ids = drafter.draft_vocab_ids.cpu()
         coverage = draft_vocab_coverage(ids.tolist(), records)
@@ -125,7 +132,7 @@ def main() -> None:
         base_model=args.base_model,
         repo_id=f"{HUB_ORG_PLACEHOLDER}/{out.name}",
         datasets=["anon8231489123/ShareGPT_Vicuna_unfiltered"],
-        recipe=recipe_text(drafter_dir, chain, data, coverage, int(ids.numel()), out),
+        recipe=recipe_text(drafter_dir, chain, data, coverage, int(ids.numel()), vocab_kept, out),
         results=results,
     )
     card.save(out / "README.md")
