@@ -426,3 +426,41 @@ def test_follow_data_picks_up_features_another_process_cached(tmp_path, target):
     assert cb.refresh() == 3 and len(both) == 7
     assert extra_cache.meta["builds"][-1]["records"] == 1  # only the one record nobody had cached
     assert [both[i]["record_id"] for i in range(7)] == [r["record_id"] for r in recs + extra]
+
+
+def test_growing_random_sampler_draws_records_added_mid_epoch():
+    """Each pass draws every index once, those appended while the pass runs included (RandomSampler fixes its
+    permutation when the epoch starts)."""
+    from dflash2_hf.training import GrowingRandomSampler
+
+    data = list(range(4))
+    sampler = GrowingRandomSampler(data, seed=3)
+    it = iter(sampler)
+    first = [next(it), next(it)]
+    data.extend(range(4, 10))  # the dataset grows during the epoch
+    drawn = first + [next(it), next(it)]
+    assert len(set(drawn)) == 4 and next(it, None) is None  # the epoch keeps its start length
+    drawn += list(sampler)  # 10 indices: the 6 of this pass left, then 4 of the next pass
+    assert sorted(drawn[:10]) == list(range(10)) and len(drawn) == 14 and len(set(drawn[10:])) == 4
+    again = GrowingRandomSampler(list(range(10)), seed=3)
+    assert list(again) != list(range(10)) and sorted(again) == list(range(10))
+    assert list(GrowingRandomSampler(list(range(10)), seed=5)) == list(GrowingRandomSampler(list(range(10)), seed=5))
+
+
+def test_follow_data_records_are_trained_within_the_first_epoch(tmp_path, target):
+    """max_steps shorter than the first epoch (the release runs): records that --follow-data adds after the start
+    must still be drawn, not only those cached when training began."""
+    from dflash2_hf.training import FollowDataCallback
+
+    drafter = _drafter(target)
+    recs = _records(10, seed=16)
+    trainer = _trainer(target, tmp_path / "run", drafter, recs[:6], tmp_path / "feat", max_steps=6,
+                       per_device_train_batch_size=1)
+    ds = trainer.train_dataset
+    trainer.add_callback(FollowDataCallback(ds, ds.cache, target, load_records=lambda: list(recs), every_steps=1))
+    seen, collate = [], trainer.data_collator
+    trainer.data_collator = lambda items: (seen.extend(i["record_id"] for i in items), collate(items))[1]
+    trainer.train()
+    new_ids = {r["record_id"] for r in recs[6:]}
+    assert len(ds) == 10 and len(seen) == 6 and len(set(seen)) == 6  # without replacement
+    assert new_ids & set(seen), f"only the records cached at the start were drawn: {seen}"

@@ -16,7 +16,7 @@ The ``dflash2 train`` command (:mod:`dflash2_hf.cli.train`) runs exactly this (p
 """
 
 from .collator import IGNORE_INDEX, BlockCollator, block_labels, sample_anchors, valid_anchors
-from .dataset import FeatureDataset, GrowingConcatDataset, load_training_records, normalize_record
+from .dataset import FeatureDataset, GrowingConcatDataset, GrowingRandomSampler, load_training_records, normalize_record
 from .evaluate import evaluate_blocks
 from .features import FeatureCache, cache_key, feature_length, target_features
 from .init import initialize_from_target, target_layer_choice
@@ -40,6 +40,7 @@ __all__ = [
     "FollowDataCallback",
     "FeatureDataset",
     "GrowingConcatDataset",
+    "GrowingRandomSampler",
     "IGNORE_INDEX",
     "accumulate_stats",
     "block_labels",

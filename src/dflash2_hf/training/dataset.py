@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Sequence
 
 import torch
-from torch.utils.data import ConcatDataset, Dataset
+from torch.utils.data import ConcatDataset, Dataset, Sampler
 
 from .features import FeatureCache
 
@@ -162,4 +162,52 @@ class GrowingConcatDataset(ConcatDataset):
         pass
 
 
-__all__ = ["FeatureDataset", "GrowingConcatDataset", "load_training_records", "normalize_record"]
+class GrowingRandomSampler(Sampler[int]):
+    """Random order without replacement over a dataset that may grow while it is drawn from.
+
+    ``torch.utils.data.RandomSampler`` draws its permutation when an epoch's iterator is created, so records that
+    ``--follow-data`` appends during the epoch are never drawn before the next one, and a run whose ``max_steps``
+    ends within its first epoch trains only on what was cached when it started. Here every draw picks uniformly
+    among the indices not drawn yet in the current pass over the data, the indices added since included; a pass
+    ends when every index has been drawn, and the next pass starts at once (its state carries over the Trainer's
+    epochs). On a dataset that does not grow it is a plain random permutation per pass.
+
+    Args:
+        data_source: a sized dataset; ``len()`` is read again at every draw.
+        seed: seed of the order (the same seed and the same growth give the same order, which ``--resume``
+            relies on when it skips the batches already trained).
+
+    ``len()`` is the dataset's length at the moment of the call (the Trainer's epoch length).
+    """
+
+    def __init__(self, data_source, seed: int = 0):
+        self.data_source = data_source
+        self.generator = torch.Generator().manual_seed(int(seed))
+        self._pool: list[int] = []  # indices not drawn yet in this pass
+        self._known = 0  # indices [0, _known) have joined the current pass
+
+    def __len__(self) -> int:
+        return len(self.data_source)
+
+    def _next_index(self) -> int:
+        n = len(self.data_source)
+        if n < self._known:  # records were dropped (regenerated under the same id): forget indices past the end
+            self._pool = [i for i in self._pool if i < n]
+            self._known = n
+        self._pool.extend(range(self._known, n))  # records added since the last draw join this pass
+        self._known = n
+        if not self._pool:  # pass complete: start the next one over everything there is now
+            if n == 0:
+                raise ValueError("GrowingRandomSampler: the dataset is empty")
+            self._pool = list(range(n))
+        j = int(torch.randint(len(self._pool), (1,), generator=self.generator))
+        self._pool[j], self._pool[-1] = self._pool[-1], self._pool[j]
+        return self._pool.pop()
+
+    def __iter__(self):
+        for _ in range(len(self.data_source)):
+            yield self._next_index()
+
+
+__all__ = ["FeatureDataset", "GrowingConcatDataset", "GrowingRandomSampler", "load_training_records",
+           "normalize_record"]

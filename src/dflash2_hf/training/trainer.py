@@ -30,6 +30,7 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from ..modeling_dflash2 import DFlash2DraftModel
 from ..quantization import refuse_int8
+from .dataset import GrowingRandomSampler
 from .losses import accumulate_stats, drafter_loss, lm_head_on, summarize_stats
 
 logger = logging.getLogger(__name__)
@@ -132,8 +133,9 @@ class FollowDataCallback(TrainerCallback):
     --features-only`` job on the other core) are picked up instead of computed again; with ``time_budget_s=0`` a
     refresh computes at most one record and leaves the rest to that job.
 
-    The Trainer's epoch length stays what it was at the start (``len(dataset)`` then), but its random sampler
-    draws each epoch from the grown dataset, so new records are trained on from the next epoch on.
+    New records are drawn from the next step on: :class:`DFlash2Trainer` samples with a
+    :class:`~dflash2_hf.training.dataset.GrowingRandomSampler` (a plain random sampler would draw only the records
+    there were when the epoch began).
     """
 
     def __init__(self, dataset, cache, target, load_records, max_length=None, every_steps=None,
@@ -222,6 +224,14 @@ class DFlash2Trainer(Trainer):
             self.add_callback(_CollatorReseed(self.data_collator))
         self._train_stats = None
         self._stats_t0 = time.time()
+
+    def _get_train_sampler(self, train_dataset=None):
+        """A random order that also draws records appended while an epoch runs (``--follow-data``)."""
+        dataset = self.train_dataset if train_dataset is None else train_dataset
+        if dataset is None or not hasattr(dataset, "__len__"):
+            return super()._get_train_sampler(train_dataset)
+        seed = self.args.data_seed if self.args.data_seed is not None else self.args.seed
+        return GrowingRandomSampler(dataset, seed=seed)
 
     # ------------------------------------------------------------------ loss
     def autocast_smart_context_manager(self, cache_enabled: bool | None = True):
