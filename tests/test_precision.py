@@ -204,3 +204,22 @@ def test_dtype_auto_loads_the_target_in_the_faster_dtype(monkeypatch, capsys, co
     captured = capsys.readouterr()
     reason = "AMX on this CPU" if amx else "no native bf16 on this CPU"
     assert f"target dtype: {'bf16' if amx else 'fp32'} (auto: {reason})" in captured.out + captured.err
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_train_precision_auto_follows_the_cpu(cpu_bf16, native):
+    """`train --feature-dtype auto --bf16 auto`: bf16 features and autocast only where the CPU computes bf16."""
+    from dflash2_hf.cli.train_args import resolve_precision
+
+    cpu_bf16(native)
+    args = build_parser().parse_args(["train", "--data", "d", "--output", "o", "--feature-dtype", "auto",
+                                      "--bf16", "auto"])
+    chosen = resolve_precision(args, torch.device("cpu"))
+    assert args.feature_dtype == ("bfloat16" if native else "float32") and args.bf16 is native
+    assert len(chosen) == 2 and all("auto: " in c for c in chosen)
+    explicit = build_parser().parse_args(["train", "--data", "d", "--output", "o", "--bf16"])
+    assert resolve_precision(explicit, torch.device("cpu")) == [] and explicit.bf16 is True
+    assert explicit.feature_dtype == "float32"  # the default stays the serving dtype
+    default = build_parser().parse_args(["train", "--data", "d", "--output", "o"])
+    resolve_precision(default, torch.device("cpu"))
+    assert default.bf16 is False

@@ -27,7 +27,7 @@ import sys
 import time
 
 from . import resolve_device
-from .train_args import add_arguments, add_lora_arguments, cache_kwargs, distill_weight  # noqa: F401
+from .train_args import add_arguments, add_lora_arguments, cache_kwargs, distill_weight, resolve_precision  # noqa: F401
 
 logger = logging.getLogger("dflash2.train")
 
@@ -240,6 +240,8 @@ def run(args: argparse.Namespace) -> int:
     if args.resume and resume_from is None:
         logger.warning("--resume: no checkpoint in %s yet, starting fresh", args.output)
     device = resolve_device(args.device)
+    for choice in resolve_precision(args, device):
+        logger.info("%s", choice)
     target, tokenizer = load_target(args.target, dtype=torch.float32, device=device)
     drafter = build_drafter(args, target, resume_from).to(device)  # the Trainer would place it; --eval-only does not run one
     cfg = drafter.config

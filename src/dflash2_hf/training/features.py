@@ -18,10 +18,12 @@ whose tokens changed (regenerated data): it is recomputed into a newer shard, an
 is resumable: whatever shards exist are kept, only missing records are computed.
 
 Numerics: features are STORED in bfloat16 (rounding error ~0.2% relative per token). They are COMPUTED with the
-target in ``compute_dtype``: float32 by default, the serving dtype. Measured on these 2-core CPUs with one thread
-(SmolLM2-135M, 512-token ShareGPT sequences): float32 ~310 tokens/s, bfloat16 ~200-250 tokens/s (no speed-up
-with one thread, no AMX), and a bfloat16 forward drifts ~1% per token from the float32 features at deep layers
-(5x the storage rounding). Hence float32; the dtype and measured throughput of every build go into meta.json.
+target in ``compute_dtype``: float32 by default, the serving dtype of the project's bar. A bfloat16 forward drifts
+~1% per token from the float32 features at deep layers (5x the storage rounding). Its speed depends on the CPU
+(SmolLM2-135M, one thread): on an AVX2-only AMD EPYC bfloat16 is emulated (~200-250 tokens/s against ~310 in
+float32); on an AMD EPYC with AVX512-BF16 it is 2.6x faster (428 vs 164 tokens/s for a 512-token sequence, the other
+core busy: ``examples/train_step_cost.py --compare dtype``). The dtype and measured throughput of every build go
+into meta.json, and one cache holds one dtype.
 """
 
 from __future__ import annotations
@@ -308,7 +310,9 @@ class FeatureCache:
             if meta.get("compute_dtype") != str(compute_dtype).replace("torch.", ""):
                 raise ValueError(
                     f"The feature cache {self.dir} holds features computed in {meta.get('compute_dtype')}, not "
-                    f"{compute_dtype}: mixing both in one cache is not allowed; use the same dtype or another folder."
+                    f"{compute_dtype}: one cache holds one dtype. Pass `--feature-dtype {meta.get('compute_dtype')}` to use "
+                    f"it (`--feature-dtype auto` picks bfloat16 where the CPU computes it natively), or another "
+                    f"--features-dir for {str(compute_dtype).replace('torch.', '')} features."
                 )
         else:
             import transformers
