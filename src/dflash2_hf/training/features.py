@@ -307,12 +307,12 @@ class FeatureCache:
                         f"{k}={meta.get('target', {}).get(k, defaults.get(k))!r}, not {v!r}: "
                         "use another --features-dir or delete that folder."
                     )
-            if meta.get("compute_dtype") != str(compute_dtype).replace("torch.", ""):
+            wanted, held = str(compute_dtype).replace("torch.", ""), meta.get("compute_dtype")
+            if held != wanted:
                 raise ValueError(
-                    f"The feature cache {self.dir} holds features computed in {meta.get('compute_dtype')}, not "
-                    f"{compute_dtype}: one cache holds one dtype. Pass `--feature-dtype {meta.get('compute_dtype')}` to use "
-                    f"it (`--feature-dtype auto` picks bfloat16 where the CPU computes it natively), or another "
-                    f"--features-dir for {str(compute_dtype).replace('torch.', '')} features."
+                    f"The feature cache {self.dir} holds features computed in {held}, not {wanted}: one cache "
+                    f"holds one dtype. Pass `--feature-dtype {held}` to use it (`--feature-dtype auto` picks "
+                    f"bfloat16 where the CPU computes it natively), or another --features-dir for {wanted} features."
                 )
         else:
             import transformers

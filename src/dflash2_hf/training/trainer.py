@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 from transformers import Trainer, TrainerCallback, TrainingArguments
+from transformers.trainer_utils import has_length
 
 from ..modeling_dflash2 import DFlash2DraftModel
 from ..quantization import refuse_int8
@@ -226,9 +227,10 @@ class DFlash2Trainer(Trainer):
         self._stats_t0 = time.time()
 
     def _get_train_sampler(self, train_dataset=None):
-        """A random order that also draws records appended while an epoch runs (``--follow-data``)."""
+        """The Trainer's random order, made to also draw records appended while an epoch runs (``--follow-data``);
+        any other ``train_sampling_strategy`` (e.g. ``group_by_length``) is left to the Trainer."""
         dataset = self.train_dataset if train_dataset is None else train_dataset
-        if dataset is None or not hasattr(dataset, "__len__"):
+        if dataset is None or not has_length(dataset) or self.args.train_sampling_strategy != "random":
             return super()._get_train_sampler(train_dataset)
         seed = self.args.data_seed if self.args.data_seed is not None else self.args.seed
         return GrowingRandomSampler(dataset, seed=seed)
