@@ -28,10 +28,12 @@ from dflash2_hf.training import (
     default_training_arguments,
     drafter_loss,
     feature_length,
+    response_offsets,
     sample_anchors,
     slot_weights,
     summarize_stats,
     target_features,
+    valid_anchors,
 )
 
 torch.set_num_threads(1)
@@ -173,6 +175,29 @@ def test_sample_anchors_and_feature_length():
     assert feature_length(list(range(9)), mask.tolist(), None) == 8
     assert feature_length(list(range(9)), mask.tolist(), 5) == 5
     assert feature_length(list(range(9)), [0] * 9, None) == 0
+
+
+def test_early_anchor_weight_favours_the_start_of_each_response():
+    # two responses of 40 tokens after prompts of 10: offsets 0..39 each, -1 outside
+    mask = torch.tensor(([0] * 10 + [1] * 40) * 2)
+    offsets = response_offsets(mask)
+    assert offsets[:10].eq(-1).all() and offsets[10:50].tolist() == list(range(40)) == offsets[60:].tolist()
+    valid = set(valid_anchors(mask).tolist())
+    early = {a for a in valid if offsets[a] < 8}
+    counts = {1.0: 0, 20.0: 0}
+    for weight in counts:
+        rng = random.Random(0)
+        for _ in range(200):
+            anchors = sample_anchors(mask, 10, rng, early_tokens=8, early_weight=weight)
+            got = anchors.tolist()
+            assert got == sorted(set(got)) and len(got) == 10 and set(got) <= valid
+            counts[weight] += sum(a in early for a in got)
+    # uniform: 16 of 78 anchors are early (~2 of 10 per draw); weight 20 draws them ~ten times as often
+    assert 300 < counts[1.0] < 520 and counts[20.0] > 3 * counts[1.0]
+    # weight 1 is the uniform draw of earlier releases: the same RNG stream, the same anchors
+    assert sample_anchors(mask, 10, random.Random(3), 8, 1.0).tolist() == sample_anchors(mask, 10, random.Random(3)).tolist()
+    with pytest.raises(ValueError, match="early_anchor_weight"):
+        BlockCollator(block_size=B, mask_token_id=0, early_anchor_weight=0.0)
 
 
 # ---------------------------------------------------------------------------- losses

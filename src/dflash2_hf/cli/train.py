@@ -303,7 +303,8 @@ def run(args: argparse.Namespace) -> int:
         logger.info("evaluation data: %d held-out sequences", len(eval_dataset))
 
     collator = BlockCollator(block_size=cfg.block_size, mask_token_id=cfg.mask_token_id, num_blocks=args.num_blocks,
-                             max_length=args.max_length, seed=args.seed)
+                             max_length=args.max_length, seed=args.seed, early_anchor_tokens=args.early_anchor_tokens,
+                             early_anchor_weight=args.early_anchor_weight)
     model = wrap_model(drafter, args)
     if args.lora:
         n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)

@@ -95,6 +95,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-steps", type=int, default=None, help="optimizer steps (overrides --epochs)")
     g.add_argument("--epochs", type=float, default=1.0, help="passes over the cached sequences")
     g.add_argument("--num-blocks", type=int, default=32, help="blocks (anchors) sampled per sequence per pass")
+    g.add_argument("--early-anchor-tokens", type=int, default=96, metavar="N",
+                   help="with --early-anchor-weight: the first N tokens of each response count as early")
+    g.add_argument("--early-anchor-weight", type=float, default=1.0, metavar="W",
+                   help="an anchor among the early tokens of its response is W times as likely to be drawn as a "
+                        "later one (default 1: uniform). Serving drafts every response from its first token, where "
+                        "the drafter has the least context and accepts least")
     g.add_argument("--batch-size", type=int, default=1, help="sequences per step")
     g.add_argument("--grad-accum", type=int, default=1)
     g.add_argument("--lr", type=float, default=6e-4)

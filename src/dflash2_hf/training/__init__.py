@@ -15,7 +15,7 @@ The ``dflash2 train`` command (:mod:`dflash2_hf.cli.train`) runs exactly this (p
 :class:`FollowDataCallback` adds records a still-running ``prepare-data`` job writes, and ``--resume``).
 """
 
-from .collator import IGNORE_INDEX, BlockCollator, block_labels, sample_anchors, valid_anchors
+from .collator import IGNORE_INDEX, BlockCollator, block_labels, response_offsets, sample_anchors, valid_anchors
 from .dataset import FeatureDataset, GrowingConcatDataset, GrowingRandomSampler, load_training_records, normalize_record
 from .evaluate import evaluate_blocks
 from .features import FeatureCache, cache_key, feature_length, target_features
@@ -54,6 +54,7 @@ __all__ = [
     "initialize_from_target",
     "load_training_records",
     "normalize_record",
+    "response_offsets",
     "sample_anchors",
     "slot_weights",
     "summarize_stats",

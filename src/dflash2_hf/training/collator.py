@@ -51,15 +51,35 @@ def valid_anchors(response_mask: torch.Tensor) -> torch.Tensor:
     return torch.nonzero(m[:-1] & m[1:], as_tuple=False).flatten()
 
 
-def sample_anchors(response_mask: torch.Tensor, num_blocks: int, rng: random.Random) -> torch.Tensor:
-    """Up to ``num_blocks`` distinct anchors drawn uniformly among :func:`valid_anchors`, sorted ascending.
+def response_offsets(response_mask: torch.Tensor) -> torch.Tensor:
+    """``(T,)`` int64: each position's index inside its run of response tokens (0 = a response's first token; -1
+    outside responses)."""
+    m = response_mask.bool()
+    idx = torch.arange(m.numel())
+    start = torch.where(m & ~torch.cat([m.new_zeros(1), m[:-1]]), idx, torch.zeros_like(idx))
+    start = torch.cummax(start, dim=0).values  # the latest response start at or before each position
+    return torch.where(m, idx - start, torch.full_like(idx, -1))
 
-    Returns an empty ``(0,)`` tensor when the sequence has no valid anchor.
+
+def sample_anchors(response_mask: torch.Tensor, num_blocks: int, rng: random.Random,
+                   early_tokens: int = 0, early_weight: float = 1.0) -> torch.Tensor:
+    """Up to ``num_blocks`` distinct anchors among :func:`valid_anchors`, sorted ascending.
+
+    Uniform by default. With ``early_weight != 1``, an anchor among the first ``early_tokens`` tokens of its response
+    is ``early_weight`` times as likely as a later one (weighted sampling without replacement: the Efraimidis-Spirakis
+    keys ``u ** (1 / w)``): serving drafts every response from its first token on, and those first tokens, with the
+    least of the response as context, are the hardest to draft. Returns an empty ``(0,)`` tensor when the sequence
+    has no valid anchor.
     """
-    cand = valid_anchors(response_mask).tolist()
-    if len(cand) > num_blocks:
-        cand = sorted(rng.sample(cand, num_blocks))
-    return torch.tensor(cand, dtype=torch.long)
+    cand = valid_anchors(response_mask)
+    if cand.numel() <= num_blocks:
+        return cand
+    if early_weight == 1.0 or early_tokens <= 0:  # the uniform draw of earlier releases (same RNG stream)
+        return torch.tensor(sorted(rng.sample(cand.tolist(), num_blocks)), dtype=torch.long)
+    early = (response_offsets(response_mask)[cand] < early_tokens).tolist()
+    keys = [rng.random() ** (1.0 / (early_weight if e else 1.0)) for e in early]
+    top = sorted(range(len(keys)), key=keys.__getitem__, reverse=True)[:num_blocks]
+    return cand[sorted(top)]
 
 
 def block_labels(input_ids: torch.Tensor, response_mask: torch.Tensor, anchors: torch.Tensor, block_size: int,
@@ -123,7 +143,8 @@ class BlockCollator:
     * with distillation targets in the items: ``soft_logits`` ``(b, Q, k)`` float32 and ``soft_ids`` ``(b, Q, k)``
       int64, the target's top-k next-token logits for each slot (meaningful where ``labels`` is set, 0 elsewhere).
 
-    Anchors are re-drawn on every call (``rng`` seeded by ``seed``).
+    Anchors are re-drawn on every call (``rng`` seeded by ``seed``); ``early_anchor_tokens`` /
+    ``early_anchor_weight`` favour anchors near the start of each response (:func:`sample_anchors`).
 
     Raises:
         ValueError: an item is malformed (length mismatch, too few feature rows), or only some items of a batch
@@ -136,6 +157,8 @@ class BlockCollator:
     max_length: int | None = None
     seed: int = 0
     drop_empty: bool = True
+    early_anchor_tokens: int = 0
+    early_anchor_weight: float = 1.0
     rng: random.Random = field(init=False, repr=False)
 
     def __post_init__(self):
@@ -143,6 +166,9 @@ class BlockCollator:
             raise ValueError(f"block_size must be >= 2, got {self.block_size}")
         if self.num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
+        if self.early_anchor_weight <= 0 or self.early_anchor_tokens < 0:
+            raise ValueError(f"early_anchor_weight must be > 0 and early_anchor_tokens >= 0, got "
+                             f"{self.early_anchor_weight} and {self.early_anchor_tokens}")
         self.rng = random.Random(self.seed)
 
     def _prepare(self, item: dict):
@@ -177,7 +203,8 @@ class BlockCollator:
                              "build every feature cache of the run with the same --distill-topk")
         for item in items:
             ids, mask, feats, nxt, soft = self._prepare(item)
-            anchors = sample_anchors(mask, self.num_blocks, self.rng)
+            anchors = sample_anchors(mask, self.num_blocks, self.rng, self.early_anchor_tokens,
+                                     self.early_anchor_weight)
             if anchors.numel() == 0 and self.drop_empty and len(items) > 1:
                 continue
             prepared.append((ids, mask, feats, anchors, nxt, soft))
@@ -238,4 +265,4 @@ class BlockCollator:
         return out
 
 
-__all__ = ["BlockCollator", "IGNORE_INDEX", "block_labels", "sample_anchors", "valid_anchors"]
+__all__ = ["BlockCollator", "IGNORE_INDEX", "block_labels", "response_offsets", "sample_anchors", "valid_anchors"]

@@ -48,7 +48,9 @@ def evaluate_blocks(
         ``acc_selector``, ``topk_recall``, ``ce_loss``, ``selector_loss``, ``tau_top1``, ``tau_selector``, ``labels``)
         plus ``sequences``.
     """
-    col = dataclasses.replace(collator, seed=seed)  # __post_init__ builds a fresh RNG from `seed`
+    # __post_init__ builds a fresh RNG from `seed`; uniform anchors whatever the run trains on, so every run's
+    # estimate is over the same blocks
+    col = dataclasses.replace(collator, seed=seed, early_anchor_weight=1.0)
     was_training = drafter.training
     drafter.eval()
     n = len(dataset) if max_sequences is None else min(len(dataset), max_sequences)
