@@ -19,6 +19,13 @@ which are refused):
 
     python examples/make_stdlib_code_prompts.py --out data/code-prompts.json --max-prompts 3000 \
         --packages numpy,pandas,sympy,matplotlib,requests,rich,pygments,yaml,packaging,pydantic,transformers
+
+A code adapter on top of a base drafter that trained on those prompts needs functions the base never saw: take them
+from other packages only (``--no-stdlib``), skipping every name of the base's packages (``--exclude-packages``);
+packages installed just for this can sit in a ``pip install --target DIR`` folder on ``PYTHONPATH``::
+
+    PYTHONPATH=/tmp/extra-pkgs python examples/make_stdlib_code_prompts.py --out data/adapter-code-prompts.json \
+        --max-prompts 3000 --no-stdlib --exclude-packages numpy,pandas,...,PIL --packages django,sqlalchemy,scipy,...
 """
 
 from __future__ import annotations
@@ -91,6 +98,12 @@ def main() -> None:
     parser.add_argument("--packages", default="",
                         help="comma-separated import names of installed third-party packages to add (not the "
                              "held-out libraries of make_heldout_prompts.py)")
+    parser.add_argument("--no-stdlib", action="store_true",
+                        help="prompts from --packages only; stdlib function names are still skipped there")
+    parser.add_argument("--exclude-packages", default="",
+                        help="comma-separated packages whose function names are skipped and never written (e.g. "
+                             "the base drafter's training packages, so a code adapter trains on functions it "
+                             "never saw)")
     args = parser.parse_args()
     from make_heldout_prompts import LIBRARIES, VALIDATION_LIBRARIES
 
@@ -110,12 +123,17 @@ def main() -> None:
                 continue
             seen.add(name)
             stubs.append((f"{path.relative_to(stdlib)}:{name}", stub))
+    excluded = [p.strip() for p in args.exclude_packages.split(",") if p.strip()]
+    package_stubs(excluded, args.max_chars, seen)  # only marks their names as seen
+    if args.no_stdlib:
+        stubs = []
     n_stdlib = len(stubs)
     stubs += package_stubs(packages, args.max_chars, seen)
     random.Random(0).shuffle(stubs)
     records = write_prompt_file(args.out, stubs[: args.max_prompts])
     print(f"wrote {len(records)} prompts (of {n_stdlib} stdlib functions from {len(files)} files, Python "
-          f"{sys.version.split()[0]}, and {len(stubs) - n_stdlib} of the packages {packages}) to {args.out}")
+          f"{sys.version.split()[0]}, and {len(stubs) - n_stdlib} of the packages {packages}; names of "
+          f"{excluded or 'no package'} skipped) to {args.out}")
 
 
 if __name__ == "__main__":
