@@ -1,0 +1,92 @@
+"""Teacher-forced acceptance through the serving path, by where the anchor sits in its response.
+
+For held-out regenerated records (the target's own greedy answers), every ``--stride``-th response position is an
+anchor: a fresh drafter call with the target's hidden states of ``[0, a)`` drafts ``B - 1`` tokens (exactly what
+the decoding loop computes there, see ``check_estimate_vs_loop.py``) and the run that matches the record counts as
+accepted. The anchors are bucketed by turn and by offset inside the response, so one sees where a drafter accepts
+little: ``dflash2 bench`` and the release bar measure the first ``max_new_tokens`` tokens of a first turn.
+
+    cd examples && ../.venv/bin/python acceptance_by_position.py \\
+        --drafter ../model_cards/dflash2-smollm2-135m-instruct \\
+        --data ../dataset_cards/smollm2-135m-instruct-sharegpt-regenerated --split dev --records 40 --stride 3
+
+Several ``--drafter`` values are measured on the same anchors, one table row per bucket and drafter.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections import defaultdict
+
+import torch
+from check_estimate_vs_loop import accepted_run
+
+from dflash2_hf import DFlash2DraftModel, GenerationStats
+from dflash2_hf.data import load_prepared
+from dflash2_hf.data.hub_dataset import is_dataset_folder, load_dataset_folder
+from dflash2_hf.generation.candidate_generator import DFlash2CandidateGenerator
+from dflash2_hf.targets import load_target
+
+
+def bucket(turn: int, offset: int, edges: list[int]) -> str:
+    """The row of an anchor ``offset`` tokens into response ``turn`` (0-based)."""
+    if turn > 0:
+        return "turn 2+"
+    lo = 0
+    for hi in edges:
+        if offset < hi:
+            return f"turn 1 [{lo}, {hi})"
+        lo = hi
+    return f"turn 1 [{lo}, ...)"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--drafter", action="append", required=True, help="drafter folder (repeatable)")
+    parser.add_argument("--data", required=True, help="regenerated HELD-OUT records (a dataset folder or prepare-data)")
+    parser.add_argument("--split", default="dev", help="split of a dataset folder (dev: never trained on)")
+    parser.add_argument("--target", default="smollm2")
+    parser.add_argument("--records", type=int, default=40, help="first N records")
+    parser.add_argument("--stride", type=int, default=3, help="every N-th response position is an anchor")
+    parser.add_argument("--edges", default="16,96", help="turn-1 offset bucket edges, comma-separated")
+    parser.add_argument("--max-length", type=int, default=1024, help="cut each record to this many tokens")
+    parser.add_argument("--num-threads", type=int, default=1)
+    args = parser.parse_args()
+    torch.set_num_threads(args.num_threads)
+    edges = [int(e) for e in args.edges.split(",")]
+
+    target, _ = load_target(args.target)
+    drafters = {d: DFlash2DraftModel.from_pretrained(d, dtype=torch.float32).eval() for d in args.drafter}
+    recs = (load_dataset_folder(args.data, split=args.split) if is_dataset_folder(args.data)
+            else load_prepared(args.data))
+    recs = sorted(recs, key=lambda r: r["record_id"])[: args.records]
+    counts = {d: defaultdict(lambda: [0, 0, 0]) for d in drafters}  # bucket -> [anchors, accepted, position 1]
+    for r in recs:
+        ids = torch.tensor([r["input_ids"][: args.max_length]])
+        seq = ids[0].tolist()
+        with torch.no_grad():
+            hidden = target(ids, output_hidden_states=True).hidden_states
+        for turn, (start, end) in enumerate(r["response_spans"]):
+            end = min(end, len(seq))
+            for a in range(start - 1, end - 1, args.stride):  # a = start - 1: the prompt's last token anchors
+                row = bucket(turn, a - start + 1, edges)
+                for name, drafter in drafters.items():
+                    B = drafter.config.block_size
+                    gen = DFlash2CandidateGenerator(drafter, target, False, 1.0, True, GenerationStats(block_size=B))
+                    gen.add_context(hidden, a)
+                    run = accepted_run(gen.propose(ids[:, : a + 1], B - 1).tokens[0].tolist(), seq[a + 1 : end])
+                    c = counts[name][row]
+                    c[0], c[1], c[2] = c[0] + 1, c[1] + run, c[2] + (run >= 1)
+    print(f"{len(recs)} records of {args.data} ({args.split}), every {args.stride}th anchor\n")
+    print("| anchor | anchors | " + " | ".join(f"tau / position 1: {d}" for d in drafters) + " |")
+    print("|---|---:|" + "---:|" * len(drafters))
+    first = counts[args.drafter[0]]
+    rows = [bucket(0, lo, edges) for lo in [0] + edges] + [bucket(1, 0, edges)]
+    for row in (row for row in rows if row in first):
+        cells = [f"{1 + counts[d][row][1] / counts[d][row][0]:.3f} / {counts[d][row][2] / counts[d][row][0]:.3f}"
+                 for d in drafters]
+        print(f"| {row} | {first[row][0]} | " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()
