@@ -8,7 +8,7 @@ little: ``dflash2 bench`` and the release bar measure the first ``max_new_tokens
 
     cd examples && ../.venv/bin/python acceptance_by_position.py \\
         --drafter ../model_cards/dflash2-smollm2-135m-instruct \\
-        --data ../dataset_cards/smollm2-135m-instruct-sharegpt-regenerated --split dev --records 40 --stride 3
+        --data ../dataset_cards/smollm2-135m-instruct-sharegpt-regenerated --records 40 --stride 3
 
 Several ``--drafter`` values are measured on the same anchors, one table row per bucket and drafter.
 """
@@ -22,10 +22,10 @@ import torch
 from check_estimate_vs_loop import accepted_run
 
 from dflash2_hf import DFlash2DraftModel, GenerationStats
-from dflash2_hf.data import load_prepared
-from dflash2_hf.data.hub_dataset import is_dataset_folder, load_dataset_folder
 from dflash2_hf.generation.candidate_generator import DFlash2CandidateGenerator
 from dflash2_hf.targets import load_target
+from dflash2_hf.training import load_training_records
+from dflash2_hf.training.collator import response_offsets
 
 
 def bucket(turn: int, offset: int, edges: list[int]) -> str:
@@ -40,11 +40,18 @@ def bucket(turn: int, offset: int, edges: list[int]) -> str:
     return f"turn 1 [{lo}, ...)"
 
 
+def response_runs(mask: list[int]) -> list[tuple[int, int]]:
+    """``[(start, end), ...]``: the responses of a record, in order, from its ``response_mask``."""
+    offsets = response_offsets(torch.tensor(mask)).tolist()
+    starts = [p for p, o in enumerate(offsets) if o == 0]
+    return [(s, next((p for p in range(s, len(mask)) if not mask[p]), len(mask))) for s in starts]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--drafter", action="append", required=True, help="drafter folder (repeatable)")
-    parser.add_argument("--data", required=True, help="regenerated HELD-OUT records (a dataset folder or prepare-data)")
-    parser.add_argument("--split", default="dev", help="split of a dataset folder (dev: never trained on)")
+    parser.add_argument("--data", required=True,
+                        help="regenerated HELD-OUT records: a dataset folder (its dev split is read) or prepare-data")
     parser.add_argument("--target", default="smollm2")
     parser.add_argument("--records", type=int, default=40, help="first N records")
     parser.add_argument("--stride", type=int, default=3, help="every N-th response position is an anchor")
@@ -57,16 +64,14 @@ def main() -> None:
 
     target, _ = load_target(args.target)
     drafters = {d: DFlash2DraftModel.from_pretrained(d, dtype=torch.float32).eval() for d in args.drafter}
-    recs = (load_dataset_folder(args.data, split=args.split) if is_dataset_folder(args.data)
-            else load_prepared(args.data))
-    recs = sorted(recs, key=lambda r: r["record_id"])[: args.records]
+    recs = load_training_records(args.data, max_records=args.records, train_only=False)
     counts = {d: defaultdict(lambda: [0, 0, 0]) for d in drafters}  # bucket -> [anchors, accepted, position 1]
     for r in recs:
         ids = torch.tensor([r["input_ids"][: args.max_length]])
         seq = ids[0].tolist()
         with torch.no_grad():
             hidden = target(ids, output_hidden_states=True).hidden_states
-        for turn, (start, end) in enumerate(r["response_spans"]):
+        for turn, (start, end) in enumerate(response_runs(r["response_mask"])):
             end = min(end, len(seq))
             for a in range(start - 1, end - 1, args.stride):  # a = start - 1: the prompt's last token anchors
                 row = bucket(turn, a - start + 1, edges)
@@ -77,7 +82,7 @@ def main() -> None:
                     run = accepted_run(gen.propose(ids[:, : a + 1], B - 1).tokens[0].tolist(), seq[a + 1 : end])
                     c = counts[name][row]
                     c[0], c[1], c[2] = c[0] + 1, c[1] + run, c[2] + (run >= 1)
-    print(f"{len(recs)} records of {args.data} ({args.split}), every {args.stride}th anchor\n")
+    print(f"{len(recs)} held-out records of {args.data}, every {args.stride}th anchor\n")
     print("| anchor | anchors | " + " | ".join(f"tau / position 1: {d}" for d in drafters) + " |")
     print("|---|---:|" + "---:|" * len(drafters))
     first = counts[args.drafter[0]]
