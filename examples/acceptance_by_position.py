@@ -25,7 +25,6 @@ from dflash2_hf import DFlash2DraftModel, GenerationStats
 from dflash2_hf.generation.candidate_generator import DFlash2CandidateGenerator
 from dflash2_hf.targets import load_target
 from dflash2_hf.training import load_training_records
-from dflash2_hf.training.collator import response_offsets
 
 
 def bucket(turn: int, offset: int, edges: list[int]) -> str:
@@ -41,10 +40,15 @@ def bucket(turn: int, offset: int, edges: list[int]) -> str:
 
 
 def response_runs(mask: list[int]) -> list[tuple[int, int]]:
-    """``[(start, end), ...]``: the responses of a record, in order, from its ``response_mask``."""
-    offsets = response_offsets(torch.tensor(mask)).tolist()
-    starts = [p for p, o in enumerate(offsets) if o == 0]
-    return [(s, next((p for p in range(s, len(mask)) if not mask[p]), len(mask))) for s in starts]
+    """``[(start, end), ...]``: the responses of a record (runs of 1 in its ``response_mask``), in order."""
+    runs, start = [], None
+    for p, m in enumerate([*mask, 0]):
+        if m and start is None:
+            start = p
+        elif not m and start is not None:
+            runs.append((start, p))
+            start = None
+    return runs
 
 
 def main() -> None:
