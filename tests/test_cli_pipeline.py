@@ -70,6 +70,16 @@ def test_prepare_train_lora_generate(tmp_path, monkeypatch):
     assert results["meta"]["previous_drafter"] == str(tmp_path / "drafter")
     assert all(r["identical_to_plain"] for r in results["records"])
     assert main([*bench, "--methods", "plain,dflash2_previous", "--out", str(tmp_path / "bench4")]) == 2
+    # one drafter in two drafting precisions side by side (where this torch has int8 kernels)
+    from dflash2_hf.quantization import int8_support
+
+    if int8_support("cpu")[0]:
+        assert main([*bench, "--previous-drafter", str(tmp_path / "merged"), "--drafter-dtype", "int8",
+                     "--previous-drafter-dtype", "fp32", "--methods", "plain,dflash2", "--out", str(tmp_path / "bench5")]) == 0
+        results = json.loads((tmp_path / "bench5" / "results.json").read_text())
+        assert (results["meta"]["drafter_dtype"], results["meta"]["previous_drafter_dtype"]) == ("int8", "fp32")
+        assert all(r["identical_to_plain"] for r in results["records"])
+        assert "`dflash2_previous`): `" + str(tmp_path / "merged") + "` in fp32" in (tmp_path / "bench5" / "results.md").read_text()
 
     # a code-domain set: prepare-data --only-code, then a LoRA run on all of it (--only-code keeps such a folder whole)
     assert main(["prepare-data", "--target", t, "--out", str(tmp_path / "code"), "--start", "0", "--stop", "20",

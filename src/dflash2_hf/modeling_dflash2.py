@@ -337,7 +337,7 @@ class DFlash2DraftModel(DFlash2PreTrainedModel):
                 f"{len(self.config.target_layer_ids)} layers x {self.config.target_hidden_size} = {self.fc.in_features}: "
                 "pass the target's hidden states of config.target_layer_ids concatenated on the last dim."
             )
-        compute_dtype = self.norm.weight.dtype  # not fc's: an int8 drafting copy (dflash2_hf.quantization) has none
+        compute_dtype = self.norm.weight.dtype  # the norm's: the linears of an int8 drafting copy (dflash2_hf.quantization) have no float weight
         context = self.hidden_norm(self.fc(context_hidden_states.to(compute_dtype)))
         n_new = context.shape[1] + q_len
         if position_ids is None:

@@ -205,7 +205,8 @@ def markdown(results: dict) -> str:
             if meta.get("adapter_bytes") else "")
         lines.append(f"- LoRA adapter (method `dflash2_adapter`): `{meta['adapter']}`{size}")
     if meta.get("previous_drafter"):
-        lines.append(f"- previous drafter (method `dflash2_previous`): `{meta['previous_drafter']}`")
+        lines.append(f"- previous drafter (method `dflash2_previous`): `{meta['previous_drafter']}`"
+                     + (f" in {meta['previous_drafter_dtype']}" if meta.get("previous_drafter_dtype") else ""))
     warning = load_warning(env)
     if warning:
         lines.append(f"- **{warning}**")

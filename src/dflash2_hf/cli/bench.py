@@ -24,6 +24,7 @@ import os
 import sys
 
 from . import (
+    DRAFTER_DTYPES,
     add_device_argument,
     add_drafter_dtype_argument,
     add_dtype_argument,
@@ -55,6 +56,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="another drafter for the same target (folder or Hub id), e.g. the previous release: adds "
                              "the method dflash2_previous (full blocks, selector on) measured in the same run, so "
                              "tau, per-position acceptance and speedup of both are compared side by side")
+    parser.add_argument("--previous-drafter-dtype", default=None, choices=DRAFTER_DTYPES,
+                        help="drafting precision of --previous-drafter (default: --drafter-dtype's). Give the same "
+                             "folder as --drafter and another precision to compare drafting precisions side by side "
+                             "in one run, e.g. --drafter-dtype int8 --previous-drafter-dtype fp32")
     parser.add_argument("--adapter-no-strict", action="store_true",
                         help="load --adapter even if it was trained on other weights of a same-shaped drafter "
                              "(default: refuse)")
@@ -152,13 +157,17 @@ def run(args: argparse.Namespace) -> int:
     drafter = load_drafter(args.drafter, target, dtype=drafter_dtype, int8=int8) if needs_drafter else None
     adapted = load_adapted_drafter(args.drafter, args.adapter, target, dtype=drafter_dtype,
                                    strict=not args.adapter_no_strict, int8=int8) if args.adapter else None
-    previous = (load_drafter(args.previous_drafter, target, dtype=drafter_dtype, int8=int8)
+    previous_dtype, previous_int8, previous_dtype_label = (
+        resolve_drafter_dtype(args.previous_drafter_dtype, target.device) if args.previous_drafter_dtype
+        else (drafter_dtype, int8, drafter_dtype_label))
+    previous = (load_drafter(args.previous_drafter, target, dtype=previous_dtype, int8=previous_int8)
                 if args.previous_drafter else None)
     prompts, skipped = load_bench_prompts(_csv(args.datasets), tokenizer, args.num_prompts,
                                           max_prompt_tokens=args.max_prompt_tokens or None, chat=not args.raw_prompts)
     meta = {"target": args.target, "drafter": args.drafter, "adapter": args.adapter,
             "previous_drafter": args.previous_drafter, "dtype": dtype_label,
             "drafter_dtype": drafter_dtype_label,
+            "previous_drafter_dtype": previous_dtype_label if args.previous_drafter else None,
             "datasets": _csv(args.datasets), "skipped_prompts_too_long": skipped,
             "max_prompt_tokens": args.max_prompt_tokens or None, "raw_prompts": args.raw_prompts,
             "command": "dflash2 " + " ".join(sys.argv[1:]) if sys.argv else None}
