@@ -10,12 +10,15 @@ little: ``dflash2 bench`` and the release bar measure the first ``max_new_tokens
         --drafter ../model_cards/dflash2-smollm2-135m-instruct \\
         --data ../dataset_cards/smollm2-135m-instruct-sharegpt-regenerated --records 40 --stride 3
 
-Several ``--drafter`` values are measured on the same anchors, one table row per bucket and drafter.
+Several ``--drafter`` values are measured on the same anchors, one table row per bucket and drafter; ``--int8`` adds
+each drafter's int8 drafting copy (:func:`dflash2_hf.quantization.quantize_drafter`, what ``--drafter-dtype auto``
+drafts with on AVX2-only CPUs) as a column of its own.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 from collections import defaultdict
 
 import torch
@@ -23,6 +26,7 @@ from check_estimate_vs_loop import accepted_run
 
 from dflash2_hf import DFlash2DraftModel, GenerationStats
 from dflash2_hf.generation.candidate_generator import DFlash2CandidateGenerator
+from dflash2_hf.quantization import quantize_drafter
 from dflash2_hf.targets import load_target
 from dflash2_hf.training import load_training_records
 
@@ -62,12 +66,15 @@ def main() -> None:
     parser.add_argument("--edges", default="16,96", help="turn-1 offset bucket edges, comma-separated")
     parser.add_argument("--max-length", type=int, default=1024, help="cut each record to this many tokens")
     parser.add_argument("--num-threads", type=int, default=1)
+    parser.add_argument("--int8", action="store_true", help="also measure each drafter's int8 drafting copy")
     args = parser.parse_args()
     torch.set_num_threads(args.num_threads)
     edges = [int(e) for e in args.edges.split(",")]
 
     target, _ = load_target(args.target)
     drafters = {d: DFlash2DraftModel.from_pretrained(d, dtype=torch.float32).eval() for d in args.drafter}
+    if args.int8:
+        drafters.update({f"{d} (int8)": quantize_drafter(copy.deepcopy(m)) for d, m in list(drafters.items())})
     recs = load_training_records(args.data, max_records=args.records, train_only=False)
     counts = {d: defaultdict(lambda: [0, 0, 0]) for d in drafters}  # bucket -> [anchors, accepted, position 1]
     for r in recs:
@@ -89,7 +96,7 @@ def main() -> None:
     print(f"{len(recs)} held-out records of {args.data}, every {args.stride}th anchor\n")
     print("| anchor | anchors | " + " | ".join(f"tau / position 1: {d}" for d in drafters) + " |")
     print("|---|---:|" + "---:|" * len(drafters))
-    first = counts[args.drafter[0]]
+    first = counts[next(iter(drafters))]
     rows = [bucket(0, lo, edges) for lo in [0] + edges] + [bucket(1, 0, edges)]
     for row in (row for row in rows if row in first):
         cells = [f"{1 + counts[d][row][1] / counts[d][row][0]:.3f} / {counts[d][row][2] / counts[d][row][0]:.3f}"
