@@ -92,6 +92,24 @@ def recipe_text(drafter_dir: Path, chain: list[dict], data: dict[Path, list[dict
     )
 
 
+def stale_adapters(out: Path, drafter) -> list[Path]:
+    """Shipped adapters next to ``out`` whose fingerprint names other base weights than the drafter just written.
+
+    Such an adapter refuses to load on the new release (AdapterMismatchError), so tests/test_shipped.py and every
+    user of the adapter break until it is retrained on this release (then examples/ship_adapter.py).
+    """
+    from dflash2_hf.lora import FINGERPRINT_FILE, base_weights_digest
+
+    digest = base_weights_digest(drafter)
+    stale = []
+    for config in sorted(out.resolve().parent.glob(f"*/{FINGERPRINT_FILE}")):
+        base = json.loads((config.parent / "adapter_config.json").read_text()).get("base_model_name_or_path", "")
+        stored = json.loads(config.read_text()).get("weights_sha256_16")
+        if Path(base).name == out.name and stored != digest:
+            stale.append(config.parent)
+    return stale
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--drafter", required=True)
@@ -139,6 +157,9 @@ def main() -> None:
     card.save(out / "README.md")
     print(f"wrote {out} ({sum(f.stat().st_size for f in out.iterdir()) / 1e6:.1f} MB), draft vocabulary coverage "
           f"{coverage:.4f}")
+    for folder in stale_adapters(out, DFlash2DraftModel.from_pretrained(out)):
+        print(f"WARNING: the adapter in {folder} was trained on the previous weights of {out} and no longer loads on "
+              "them: retrain it on this release and ship it with examples/ship_adapter.py before committing")
 
 
 if __name__ == "__main__":
