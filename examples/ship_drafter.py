@@ -20,7 +20,7 @@ from dflash2_hf import DFlash2DraftModel
 from dflash2_hf.data import read_meta
 from dflash2_hf.hub import HUB_ORG_PLACEHOLDER, bench_results_section, build_model_card, copy_bench_files
 from dflash2_hf.training.dataset import load_training_records
-from dflash2_hf.training.draft_vocab import draft_vocab_coverage, draft_vocab_from_records
+from dflash2_hf.training.draft_vocab import draft_vocab_coverage, draft_vocab_from_records, eos_ids
 
 
 def training_chain(drafter_dir: Path) -> list[dict]:
@@ -132,15 +132,13 @@ def main() -> None:
     data = {Path(d): load_training_records(d) for d in folders}
     records = [r for recs in data.values() for r in recs]
     drafter = DFlash2DraftModel.from_pretrained(drafter_dir).to(torch.bfloat16)
-    eos = drafter.config.eos_token_id
-    always = eos if isinstance(eos, list) else [eos] if eos is not None else []
     vocab_kept = drafter.draft_vocab_ids is not None and not args.new_draft_vocab
     if vocab_kept:
         # trained with it (the training loss runs over the draft vocabulary): keep it; report its coverage here
         ids = drafter.draft_vocab_ids.cpu()
         coverage = draft_vocab_coverage(ids.tolist(), records)
     else:
-        ids, coverage = draft_vocab_from_records(records, args.draft_vocab, always=always)
+        ids, coverage = draft_vocab_from_records(records, args.draft_vocab, always=eos_ids(drafter.config))
         drafter.set_draft_vocab(ids)
     drafter.save_pretrained(out)
 

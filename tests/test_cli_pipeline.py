@@ -11,6 +11,8 @@ from transformers import AutoModelForCausalLM
 from dflash2_hf import DFlash2DraftModel
 from dflash2_hf.cli import main
 from dflash2_hf.lora import load_adapter
+from dflash2_hf.training import load_training_records
+from dflash2_hf.training.draft_vocab import draft_vocab_from_records, eos_ids
 from test_data import _tiny_tokenizer, tiny_chat_target_folder
 
 
@@ -37,6 +39,23 @@ def test_prepare_train_lora_generate(tmp_path, monkeypatch):
     files = {p.name for p in (tmp_path / "adapter").iterdir()}
     assert {"adapter_model.safetensors", "adapter_config.json", "dflash2_adapter.json"} <= files
     assert "model.safetensors" not in files  # only the adapter is saved
+
+    # --draft-vocab re-chooses the draft vocabulary of an --init drafter from the training data (most frequent first)
+    assert main(["train", *common, "--output", str(tmp_path / "vocab"), "--init", str(tmp_path / "drafter"),
+                 "--draft-vocab", "6", "--max-steps", "2"]) == 0
+    revocab = DFlash2DraftModel.from_pretrained(tmp_path / "vocab")
+    expected, _ = draft_vocab_from_records(load_training_records(str(tmp_path / "data")), 6,
+                                           always=eos_ids(revocab.config))
+    assert revocab.config.draft_vocab_size == 6 and revocab.draft_vocab_ids.tolist() == expected.tolist()
+    ids = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True,
+                                  return_tensors="pt", return_dict=True)["input_ids"]
+    assert torch.equal(target.generate(ids, max_new_tokens=10, do_sample=False),
+                       target.generate(ids, assistant_model=revocab, max_new_tokens=10, do_sample=False))
+    for bad in (["--lora"], []):  # an adapter cannot change its base's vocabulary; a size past the vocabulary
+        size = "20" if bad else str(revocab.config.vocab_size + 1)
+        assert main(["train", *common, "--output", str(tmp_path / "bad"), "--init", str(tmp_path / "drafter"),
+                     "--draft-vocab", size, "--max-steps", "1", *bad]) == 2
+    assert not (tmp_path / "bad").exists()  # refused before any work
 
     adapted = load_adapter(DFlash2DraftModel.from_pretrained(tmp_path / "drafter"), tmp_path / "adapter")
     ids = tok.apply_chat_template([{"role": "user", "content": "hello there"}], add_generation_prompt=True,

@@ -136,6 +136,35 @@ def build_drafter(args: argparse.Namespace, target, resume_from: str | None):
     return drafter.float().train()
 
 
+def check_draft_vocab_args(args: argparse.Namespace, drafter) -> None:
+    """Validates ``--draft-vocab`` before any feature is computed (see :func:`choose_draft_vocab`)."""
+    if args.draft_vocab is None:
+        return
+    if args.lora:
+        raise ValueError("--draft-vocab cannot be used with --lora: the adapter drafts with its base drafter's "
+                         "vocabulary; choose it when training the base drafter")
+    if not 1 <= args.draft_vocab <= drafter.config.vocab_size:
+        raise ValueError(f"--draft-vocab must be in [1, {drafter.config.vocab_size}] (the target vocabulary), "
+                         f"got {args.draft_vocab}")
+
+
+def choose_draft_vocab(args: argparse.Namespace, drafter, records: list[dict]) -> None:
+    """``--draft-vocab N``: restricts ``drafter`` to the N most frequent response tokens of ``records`` (+ EOS).
+
+    Raises:
+        ValueError: with ``--lora`` (an adapter shares its base drafter's vocabulary), or N outside [1, vocab size].
+    """
+    from ..training.draft_vocab import draft_vocab_coverage, draft_vocab_from_records, eos_ids
+
+    check_draft_vocab_args(args, drafter)
+    old = drafter.draft_vocab_ids
+    ids, coverage = draft_vocab_from_records(records, args.draft_vocab, always=eos_ids(drafter.config))
+    before = 1.0 if old is None else draft_vocab_coverage(old.tolist(), records)
+    drafter.set_draft_vocab(ids)
+    logger.info("--draft-vocab %d: covers %.4f of the training data's response tokens (was %s: %.4f)", ids.numel(),
+                coverage, "the whole vocabulary" if old is None else f"{old.numel()} ids", before)
+
+
 def is_code_folder(data_dir: str) -> bool:
     """True for a folder made by ``prepare-data --only-code``: code-domain as a whole (its records were chosen by the
     original conversation; the target's own answer need not hold a fenced block), so --only-code keeps all of it."""
@@ -250,6 +279,7 @@ def run(args: argparse.Namespace) -> int:
                 cfg.block_size, cfg.target_layer_ids, n_params / 1e6,
                 f" (resumed from {resume_from})" if resume_from else "")
 
+    check_draft_vocab_args(args, drafter)
     if args.eval_only:
         return _eval_only(args, target, drafter, progress, tokenizer, resume_from)
 
@@ -264,10 +294,11 @@ def run(args: argparse.Namespace) -> int:
                     if is_code_folder(args.data) else "with a fenced code block")
     feat_root = args.features_dir or default_features_root(args.data)
     budget = None if args.feature_time_budget is None else args.feature_time_budget * 60
-    parts, all_ids = [], set()
+    parts, all_ids, all_records = [], set(), []
     for k, data_dir in enumerate([args.data, *args.extra_data]):
         recs = records if k == 0 else load_training_records(data_dir, max_records=args.max_records)
         all_ids |= {r["record_id"] for r in recs}
+        all_records += recs
         root = feat_root if k == 0 else (os.path.join(args.features_dir, f"extra-{k}") if args.features_dir
                                          else default_features_root(data_dir))
         part_cache = FeatureCache(root, args.target, cfg.target_layer_ids, **cache_kwargs(args))
@@ -282,6 +313,8 @@ def run(args: argparse.Namespace) -> int:
         parts.append(part)
     if args.features_only:
         return 0
+    if args.draft_vocab is not None and resume_from is None:  # a resumed checkpoint already holds the chosen one
+        choose_draft_vocab(args, drafter, all_records)
     train_set = parts[0] if len(parts) == 1 else GrowingConcatDataset(parts)  # parts grow under --follow-data
     if len(train_set) == 0:
         logger.error("no training sequence has cached features: nothing to train on")

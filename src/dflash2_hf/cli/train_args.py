@@ -87,6 +87,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--init-norm", type=float, default=None,
                    help="fresh drafter: initial value of the final norm weight (e.g. 0.2: small initial logits, "
                         "no loss spike at the start)")
+    g.add_argument("--draft-vocab", type=int, default=None, metavar="N",
+                   help="(re)choose the draft vocabulary: the N most frequent response tokens of --data and "
+                        "--extra-data (plus EOS), replacing the one --init was trained with; the loss then runs over "
+                        "those rows (default: keep --init's, or the whole vocabulary for a fresh drafter)")
     g.add_argument("--init-norm-from-target", action="store_true",
                    help="fresh drafter: copy the target's final norm weight into the drafter's final norm")
     # LoRA options: `add_lora_arguments` below; the model wrapping: `dflash2_hf.cli.train.wrap_model`.

@@ -21,6 +21,12 @@ def response_token_counts(records) -> Counter:
     return counts
 
 
+def eos_ids(config) -> list[int]:
+    """The end-of-sequence ids of a drafter or target config, as a list (kept in every draft vocabulary)."""
+    eos = getattr(config, "eos_token_id", None)
+    return eos if isinstance(eos, list) else [eos] if eos is not None else []
+
+
 def draft_vocab_coverage(token_ids, records) -> float:
     """Share of the response tokens of ``records`` inside the draft vocabulary ``token_ids`` (the ceiling on
     per-position acceptance the restriction imposes on that data).
