@@ -6,6 +6,8 @@ import copy
 
 import pytest
 import torch
+
+import dflash2_hf
 from conftest import Oracle, make_drafter, make_target, randomize_selector
 from torch import nn
 
@@ -111,14 +113,20 @@ def test_load_drafter_int8_and_the_cli_choice(targets, monkeypatch):
     assert is_int8(load_drafter("fresh", target, int8=True, num_hidden_layers=1))
     assert resolve_drafter_dtype("int8", "cpu") == (torch.float32, True, "int8")
     assert resolve_drafter_dtype("fp32", "cpu") == (torch.float32, False, "fp32")
+    with pytest.raises(ValueError, match="CPU only"):
+        resolve_drafter_dtype("int8", "meta")
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False, raising=False)
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False, raising=False)
     dtype, int8, label = resolve_drafter_dtype("auto", "cpu")
-    assert (dtype, int8) == (torch.float32, True) and label.startswith("int8 (auto: no native bf16 on this CPU;")
+    assert (dtype, int8) == (torch.float32, True) and label == "int8 (auto: x86 int8 on this CPU)"
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True, raising=False)
-    assert resolve_drafter_dtype("auto", "cpu")[:2] == (torch.bfloat16, False)  # native bf16 wins where it exists
-    with pytest.raises(ValueError, match="CPU only"):
-        resolve_drafter_dtype("int8", "meta")
+    assert resolve_drafter_dtype("auto", "cpu")[:2] == (torch.float32, True)  # int8 reads fewer bytes than bf16 too
+    assert dflash2_hf.drafting_precision("cpu")[0] == "int8"
+    monkeypatch.setattr(dflash2_hf.quantization, "int8_support", lambda device: (False, "no int8 kernels"))
+    assert resolve_drafter_dtype("auto", "cpu") == (torch.bfloat16, False, "bf16 (auto: AMX on this CPU; no int8 kernels)")
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False, raising=False)
+    assert dflash2_hf.drafting_precision("cpu")[0] == "fp32"
+    assert dflash2_hf.drafting_precision("meta")[0] == "bf16"  # not a CPU: no int8 kernels, the device's own bf16
 
 
 def test_int8_sampling_stays_exact():

@@ -17,7 +17,7 @@ from .errors import (
     UnsupportedGenerationError,
     UnsupportedTransformersVersionError,
 )
-from .generation import GenerationStats, drafting_dtype, target_dtype
+from .generation import GenerationStats, drafting_dtype, drafting_precision, target_dtype
 from .modeling_dflash2 import CandidateSelector, DFlash2DraftModel, GroupedDynamicCausalConv
 
 __version__ = "0.1.0"
@@ -40,5 +40,6 @@ __all__ = [
     "UnsupportedTransformersVersionError",
     "default_target_layer_ids",
     "drafting_dtype",
+    "drafting_precision",
     "target_dtype",
 ]

@@ -1,8 +1,9 @@
-"""int8 drafting on CPUs without bf16 instructions: the drafter's linear layers as dynamic int8 (fbgemm) kernels.
+"""int8 drafting on x86 CPUs: the drafter's linear layers as dynamic int8 (fbgemm) kernels.
 
 A drafter pass over one block is a handful of thin matmuls (``8 x 576`` activations against ``576 x 1536`` weights
 for SmolLM2), bound by reading the weights, not by arithmetic. On a CPU with AMX / AVX512-BF16 a bf16 drafter halves
-those bytes; on an AVX2-only CPU bf16 is emulated (slower than fp32), but PyTorch's dynamic int8 linear
+those bytes, and int8 halves them again (9.7 vs 15.9 ms drafting per cycle on an AVX512-BF16 EPYC, docs/bench.md
+"Drafting precision"); on an AVX2-only CPU bf16 is emulated (slower than fp32), and PyTorch's dynamic int8 linear
 (``torch.ao.quantization.quantize_dynamic``: int8 weights, activations quantized per call, fbgemm kernels) reads a
 quarter of the bytes. Measured on one thread of an AVX2 AMD EPYC (torch 2.13, ``examples/cost_curve.py --num-threads 1
 --sizes 1,8``: a proposal of a full block of 8 with the shipped SmolLM2 drafter): 33 ms in fp32, 18-19 ms in int8.

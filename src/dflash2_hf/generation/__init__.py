@@ -2,7 +2,7 @@
 
 from .candidate_generator import DFlash2CandidateGenerator, DraftProposal
 from .decoding import dflash2_assisted_decoding
-from .precision import auto_dtype_label, bf16_support, drafting_dtype, has_native_bf16, target_dtype
+from .precision import auto_dtype_label, bf16_support, drafting_dtype, drafting_precision, has_native_bf16, target_dtype
 from .routing import check_transformers_version, install, is_dflash2_drafter
 from .stats import GenerationStats
 
@@ -15,6 +15,7 @@ __all__ = [
     "check_transformers_version",
     "dflash2_assisted_decoding",
     "drafting_dtype",
+    "drafting_precision",
     "has_native_bf16",
     "install",
     "is_dflash2_drafter",
