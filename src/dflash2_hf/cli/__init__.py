@@ -96,7 +96,7 @@ def add_drafter_dtype_argument(parser: argparse.ArgumentParser, default: str | N
     parser.add_argument("--drafter-dtype", default=default, choices=DRAFTER_DTYPES,
                         help=f"drafter dtype (default {default_text}). Lossless either way: only the target's "
                              "verification decides. auto = int8 on x86 CPUs (dynamic int8 linears: drafting reads weights, "
-                             "and int8 has the fewest bytes: a block 1.7x cheaper than bf16 on an AVX512-BF16 CPU, "
+                             "and int8 has the fewest bytes: a cycle's drafting 1.6x cheaper than bf16 on an AVX512-BF16 CPU, "
                              "1.7x cheaper than fp32 on an AVX2 one), else bf16 where the device computes it natively "
                              "(GPUs with bf16), else fp32")
 
