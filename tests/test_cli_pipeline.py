@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import torch
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from dflash2_hf import DFlash2DraftModel
@@ -110,8 +111,13 @@ def test_prepare_train_lora_generate(tmp_path, monkeypatch):
     assert kept >= 2
     code_common = [*common[:2], "--data", str(tmp_path / "code"), *common[4:6], *common[8:]]
     assert main(["train", *code_common, "--output", str(tmp_path / "code-lora"), "--init", str(tmp_path / "drafter"),
-                 "--lora", "--only-code", "--max-steps", "2", "--save-steps", "1"]) == 0
+                 "--lora", "--only-code", "--max-steps", "2", "--save-steps", "1",
+                 "--lora-modules-to-save", "attention_conv,mlp_conv", "--lora-modules-lr", "1e-5"]) == 0
     assert json.load(open(tmp_path / "code-lora" / "training_summary.json"))["sequences"] == kept
+    # the convolutions are trained in full, at their own rate, and saved with the adapter
+    assert any(k.endswith("mlp_conv.base_kernel") for k in load_file(tmp_path / "code-lora" / "adapter_model.safetensors"))
+    groups = torch.load(tmp_path / "code-lora" / "checkpoint-1" / "optimizer.pt", weights_only=False)["param_groups"]
+    assert sorted({g["initial_lr"] for g in groups if g["params"]}) == [1e-5, 6e-4]
     assert (tmp_path / "code-lora" / "checkpoint-1" / "dflash2_adapter.json").is_file()  # checkpoints load checked
 
     # --eval-only --lora evaluates base + adapter; --only-code keeps a code folder whole for evaluation too

@@ -8,11 +8,14 @@ from safetensors.torch import load_file
 
 from dflash2_hf import DFlash2DraftModel
 from dflash2_hf.lora import (
+    SMALL_MODULES,
     AdapterMismatchError,
     adapter_size_bytes,
     add_lora,
+    base_weights_digest,
     checkpoint_size_bytes,
     load_adapter,
+    lora_config,
     save_adapter,
 )
 from conftest import make_drafter, make_target, randomize_selector
@@ -63,6 +66,42 @@ def test_lora_wraps_only_projections_and_generates(targets, tmp_path):
     out_merged = target.generate(ids, assistant_model=merged, max_new_tokens=20, do_sample=False)
     assert torch.equal(ref, out_merged)
     assert merged.generation_stats.accepted_drafts == proposals_unmerged
+
+
+def test_modules_to_save_train_in_full_and_round_trip(targets, tmp_path):
+    base = make_drafter(targets["llama"])
+    base.save_pretrained(tmp_path / "base")
+    digest = base_weights_digest(base)
+    model = add_lora(DFlash2DraftModel.from_pretrained(tmp_path / "base"), lora_config(modules_to_save=SMALL_MODULES))
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert any("attention_conv.modules_to_save.default.base_kernel" in n for n in trainable)
+    assert any("input_layernorm.modules_to_save.default.weight" in n for n in trainable)
+    assert all("lora_" in n or ".modules_to_save." in n for n in trainable)
+    with torch.no_grad():  # train the small modules only: the LoRA layers stay at their zero start
+        for n, p in model.named_parameters():
+            if ".modules_to_save." in n:
+                p.add_(0.05 * torch.randn_like(p))
+    # the fingerprint still names the base weights, not the adapter's trained copies of them
+    assert base_weights_digest(model.get_base_model()) == digest
+    save_adapter(model, tmp_path / "adapter")
+    saved = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
+    assert any("mlp_conv" in k for k in saved) and any("post_attention_layernorm" in k for k in saved)
+
+    reloaded = load_adapter(DFlash2DraftModel.from_pretrained(tmp_path / "base"), tmp_path / "adapter")
+    embeds = torch.randn(1, base.config.block_size, base.config.hidden_size)
+    ctx = torch.randn(1, 5, base.fc.in_features)
+    with torch.no_grad():
+        h0 = base(embeds, ctx).last_hidden_state
+        h1 = model(embeds, ctx).last_hidden_state
+        h2 = reloaded(embeds, ctx).last_hidden_state
+        merged = reloaded.merge_and_unload()
+        h3 = merged(embeds, ctx).last_hidden_state
+    assert not torch.allclose(h0, h1, atol=1e-3)
+    torch.testing.assert_close(h1, h2)
+    torch.testing.assert_close(h1, h3)
+    assert isinstance(merged, DFlash2DraftModel) and not any("modules_to_save" in k for k in merged.state_dict())
+    with pytest.raises(ValueError, match="both LoRA targets and modules to train in full"):
+        lora_config(target_modules=["q_proj", "mlp_conv"], modules_to_save=["mlp_conv"])
 
 
 def test_adapter_for_another_drafter_is_refused(targets, tmp_path):

@@ -24,14 +24,15 @@ def weights_digest(state_dict: Mapping[str, torch.Tensor]) -> str:
 
     Tensors are hashed in name order after a cast to bfloat16, so the same weights give the same digest whether they
     are held in float32 or bfloat16 (a bf16 checkpoint upcast to fp32 round-trips exactly); names wrapped by ``peft``
-    (``...base_layer.weight``) hash like the plain ones. Integer buffers (``draft_vocab_ids``) are hashed as stored.
+    (``...base_layer.weight``, ``...original_module.weight``) hash like the plain ones, and the adapter's own trained
+    copies (``modules_to_save``) are excluded with the LoRA layers. Integer buffers (``draft_vocab_ids``) are hashed as stored.
     """
     h = hashlib.sha256()
     for name in sorted(state_dict):
-        if "lora_" in name:
+        if "lora_" in name or ".modules_to_save." in name:
             continue
         tensor = state_dict[name].detach()
-        h.update(name.replace(".base_layer", "").encode())
+        h.update(name.replace(".base_layer", "").replace(".original_module", "").encode())
         if tensor.is_floating_point():
             tensor = tensor.to(torch.bfloat16).view(torch.int16)
         h.update(tensor.cpu().contiguous().numpy().tobytes())

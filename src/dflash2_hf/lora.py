@@ -35,6 +35,11 @@ from .quantization import refuse_int8
 logger = logging.get_logger(__name__)
 
 DEFAULT_TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# Small per-layer modules worth training in full next to the LoRA layers (``modules_to_save``): the local
+# convolutions (base kernels + kernel projections) and the pre-sublayer norms, 0.87M parameters of the 27.3M SmolLM2
+# drafter. In a full fine-tune on unseen code they carry half the held-out gain (docs/training_experiments.md
+# "Session 24"), and no low-rank update reaches a norm's gain or a base kernel.
+SMALL_MODULES = ["attention_conv", "mlp_conv", "input_layernorm", "post_attention_layernorm"]
 FINGERPRINT_FILE = "dflash2_adapter.json"
 _FINGERPRINT_FIELDS = (
     "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
@@ -63,11 +68,23 @@ def drafter_fingerprint(drafter) -> dict:
     return {"fields": fields, "sha256_16": digest, "weights_sha256_16": base_weights_digest(drafter)}
 
 
-def lora_config(r: int = 16, alpha: int = 32, dropout: float = 0.0, target_modules: list[str] | None = None) -> LoraConfig:
-    """A ``peft.LoraConfig`` for drafters (defaults: r=16, alpha=32, attention + MLP projections)."""
+def lora_config(r: int = 16, alpha: int = 32, dropout: float = 0.0, target_modules: list[str] | None = None,
+                modules_to_save: list[str] | None = None) -> LoraConfig:
+    """A ``peft.LoraConfig`` for drafters (defaults: r=16, alpha=32, attention + MLP projections).
+
+    ``modules_to_save``: module names trained in full and stored in the adapter next to the LoRA weights (e.g.
+    :data:`SMALL_MODULES`); they must not overlap ``target_modules``.
+
+    Raises:
+        ValueError: a name in both lists.
+    """
+    targets = target_modules or DEFAULT_TARGET_MODULES
+    both = sorted(set(targets) & set(modules_to_save or []))
+    if both:
+        raise ValueError(f"{both} are both LoRA targets and modules to train in full: name each module in one list.")
     return LoraConfig(
-        r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=target_modules or DEFAULT_TARGET_MODULES,
-        bias="none",
+        r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets, bias="none",
+        modules_to_save=modules_to_save or None,
     )
 
 

@@ -65,23 +65,28 @@ class GroupedDynamicCausalConv(nn.Module):
         self.base_kernel = nn.Parameter(torch.zeros(2, kernel_size, hidden_size))
         self.kernel_projection = nn.Linear(hidden_size, 2 * kernel_size * self.num_groups, bias=False)
 
-    def dynamic_kernels(self, x: torch.Tensor) -> torch.Tensor:
-        """Per-position corrections from the sublayer input ``x`` (n, B, H) -> (n, B, 2, kernel_size, groups)."""
-        return self.kernel_projection(x).unflatten(-1, (2, self.kernel_size, self.num_groups))
+    def kernels(self, x: torch.Tensor) -> torch.Tensor:
+        """Both sides' kernels ``K_s[j] + D_s,t[j]`` from the sublayer input ``x`` (n, B, H).
 
-    def mix(self, x: torch.Tensor, dynamic: torch.Tensor, side: int) -> torch.Tensor:
-        """Applies kernel ``side`` (0 = before, 1 = after the sublayer) to ``x`` of shape (n, B, H), causal in B."""
+        Returns:
+            ``(n, B, 2, groups, group_size, kernel_size)``, tap ``j`` (reading ``x_{t-j}``) at index
+            ``kernel_size - 1 - j``: the order of :meth:`mix`'s sliding windows.
+        """
+        n, length, _ = x.shape
+        dynamic = self.kernel_projection(x).view(n, length, 2, self.kernel_size, self.num_groups, 1)
+        base = self.base_kernel.view(2, self.kernel_size, self.num_groups, self.group_size)
+        return (base + dynamic).flip(3).permute(0, 1, 2, 4, 5, 3)
+
+    def mix(self, x: torch.Tensor, kernels: torch.Tensor) -> torch.Tensor:
+        """Applies one side's ``kernels`` (n, B, groups, group_size, kernel_size) to ``x`` (n, B, H), causal in B.
+
+        One sliding window per position over the block left-padded with ``kernel_size - 1`` zeros (a handful of
+        operators whatever the kernel size: drafting runs this 4x per layer per block).
+        """
         n, length, hidden = x.shape
-        grouped = x.view(n, length, self.num_groups, self.group_size)
-        base = self.base_kernel[side].view(self.kernel_size, self.num_groups, self.group_size)
-        out = None
-        for j in range(min(self.kernel_size, length)):
-            # tap j reads position t - j; the first j positions of the block read the zero padding
-            src = grouped if j == 0 else F.pad(grouped[:, : length - j], (0, 0, 0, 0, j, 0))
-            weight = base[j] + dynamic[:, :, side, j, :, None]
-            term = weight * src
-            out = term if out is None else out + term
-        return out.view(n, length, hidden)
+        padded = F.pad(x.view(n, length, self.num_groups, self.group_size), (0, 0, 0, 0, self.kernel_size - 1, 0))
+        windows = padded.unfold(1, self.kernel_size, 1)  # (n, B, groups, group_size, kernel_size): x_{t-K+1} .. x_t
+        return (windows * kernels).sum(-1).view(n, length, hidden)
 
 
 class DFlash2Attention(nn.Module):
@@ -143,9 +148,9 @@ class DFlash2DecoderLayer(nn.Module):
         shape = x.shape
         # the convolution mixes positions inside one block only: view the query sequence as (blocks, B, H)
         blocks = x.reshape(-1, self.block_size, shape[-1])
-        dynamic = conv.dynamic_kernels(blocks)
-        y = fn(conv.mix(blocks, dynamic, 0).view(shape))
-        return conv.mix(y.reshape(blocks.shape), dynamic, 1).view(shape)
+        kernels = conv.kernels(blocks)
+        y = fn(conv.mix(blocks, kernels[:, :, 0]).view(shape))
+        return conv.mix(y.reshape(blocks.shape), kernels[:, :, 1]).view(shape)
 
     def forward(self, hidden_states, context, cos, sin, masks: AttentionMasks, cache=None):
         x = self.input_layernorm(hidden_states)

@@ -36,16 +36,22 @@ def wrap_model(drafter, args: argparse.Namespace):
     """The module the Trainer optimizes: the drafter, or (``--lora``) a PEFT LoRA model around it.
 
     Raises:
-        SystemExit: ``--lora`` without ``--init`` (an adapter needs a trained base drafter).
+        SystemExit: ``--lora`` without ``--init`` (an adapter needs a trained base drafter), or LoRA-only options
+            without ``--lora``, or ``--lora-modules-lr`` without ``--lora-modules-to-save``.
     """
     if not args.lora:
+        if args.lora_modules_to_save or args.lora_modules_lr is not None:
+            raise SystemExit("--lora-modules-to-save / --lora-modules-lr shape a LoRA adapter: add --lora (and --init).")
         return drafter
+    if args.lora_modules_lr is not None and not args.lora_modules_to_save:
+        raise SystemExit("--lora-modules-lr sets the rate of --lora-modules-to-save: name those modules too.")
     if not args.init:
         raise SystemExit("--lora needs --init PATH_OR_ID: the trained drafter the adapter adapts.")
     from ..lora import add_lora, lora_config
 
     modules = args.lora_target_modules.split(",") if args.lora_target_modules else None
-    return add_lora(drafter, lora_config(args.lora_r, args.lora_alpha, args.lora_dropout, modules))
+    full = args.lora_modules_to_save.split(",") if args.lora_modules_to_save else None
+    return add_lora(drafter, lora_config(args.lora_r, args.lora_alpha, args.lora_dropout, modules, full))
 
 
 def is_code_record(tokenizer, record: dict) -> bool:
@@ -364,6 +370,7 @@ def run(args: argparse.Namespace) -> int:
         selector_loss_weight=args.selector_weight,
         selector_detach=not args.selector_no_detach,
         distill_weight=distill,
+        modules_to_save_learning_rate=args.lora_modules_lr,
         eval_strategy="steps" if eval_dataset is not None else "no",
         eval_steps=args.eval_steps if eval_dataset is not None else None,
     )

@@ -140,6 +140,13 @@ def add_lora_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--lora-dropout", type=float, default=0.0)
     g.add_argument("--lora-target-modules", default=None,
                    help="comma-separated module names (default: q/k/v/o and gate/up/down projections)")
+    g.add_argument("--lora-modules-to-save", default=None, metavar="NAMES",
+                   help="comma-separated module names trained in full next to the LoRA layers and saved in the "
+                        "adapter (peft's modules_to_save), e.g. the small per-layer modules of "
+                        "dflash2_hf.lora.SMALL_MODULES: attention_conv,mlp_conv,input_layernorm,post_attention_layernorm "
+                        "(3%% of a SmolLM2 drafter)")
+    g.add_argument("--lora-modules-lr", type=float, default=None, metavar="LR",
+                   help="learning rate of the --lora-modules-to-save modules (default: --lr, the LoRA layers' rate)")
     g.add_argument("--only-code", action="store_true",
                    help="train (and --eval-data: evaluate) only on records whose conversation contains a fenced "
                         "code block (a code domain); a --data folder made by prepare-data --only-code is used whole")

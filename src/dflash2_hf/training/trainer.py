@@ -47,12 +47,18 @@ class DFlash2TrainingArguments(TrainingArguments):
         selector_detach (`bool`): train the selector on detached drafter hidden states / logits.
         distill_weight (`float`): share of the distillation term in the block loss (0 = hard labels only; needs
             batches with the target's top-k logits, a feature cache built with ``topk``).
+        modules_to_save_learning_rate (`float`, *optional*): learning rate of the modules a LoRA adapter trains in
+            full (peft ``modules_to_save``), when it should differ from ``learning_rate`` (the LoRA layers'): full
+            weights move at a full fine-tune's pace, LoRA factors start at zero and need a larger one.
     """
 
     loss_gamma: float | None = field(default=None, metadata={"help": "slot weight decay gamma (default: by block size)"})
     selector_loss_weight: float = field(default=1.0, metadata={"help": "weight of the candidate-selector loss"})
     selector_detach: bool = field(default=True, metadata={"help": "selector loss does not back-propagate into the drafter"})
     distill_weight: float = field(default=0.0, metadata={"help": "share of the top-k distillation term in the block loss"})
+    modules_to_save_learning_rate: float | None = field(
+        default=None, metadata={"help": "learning rate of a LoRA adapter's fully trained modules (modules_to_save)"}
+    )
 
 
 def default_training_arguments(output_dir: str, **overrides) -> DFlash2TrainingArguments:
@@ -225,6 +231,25 @@ class DFlash2Trainer(Trainer):
             self.add_callback(_CollatorReseed(self.data_collator))
         self._train_stats = None
         self._stats_t0 = time.time()
+
+    def create_optimizer(self, model=None):
+        """The Trainer's optimizer; with ``modules_to_save_learning_rate``, a LoRA adapter's fully trained modules get
+        their own parameter groups at that rate (the schedule scales every group alike)."""
+        optimizer = super().create_optimizer(model)
+        rate = self.args.modules_to_save_learning_rate
+        if rate is None or getattr(optimizer, "_full_module_groups", False):
+            return optimizer
+        names = {id(p): n for n, p in (self.model if model is None else model).named_parameters()}
+        split = []
+        for group in optimizer.param_groups:
+            full = [p for p in group["params"] if ".modules_to_save." in names.get(id(p), "")]
+            if full:
+                group["params"] = [p for p in group["params"] if ".modules_to_save." not in names.get(id(p), "")]
+                split.append({**group, "params": full, "lr": rate, "initial_lr": rate})
+        for group in split:  # the optimizer holds no state yet: moving parameters between groups is safe
+            optimizer.add_param_group(group)
+        optimizer._full_module_groups = True
+        return optimizer
 
     def _get_train_sampler(self, train_dataset=None):
         """The Trainer's random order, made to also draw records appended while an epoch runs (``--follow-data``);
