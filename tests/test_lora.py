@@ -14,6 +14,7 @@ from dflash2_hf.lora import (
     add_lora,
     base_weights_digest,
     checkpoint_size_bytes,
+    extract_adapter,
     load_adapter,
     lora_config,
     save_adapter,
@@ -102,6 +103,42 @@ def test_modules_to_save_train_in_full_and_round_trip(targets, tmp_path):
     assert isinstance(merged, DFlash2DraftModel) and not any("modules_to_save" in k for k in merged.state_dict())
     with pytest.raises(ValueError, match="both LoRA targets and modules to train in full"):
         lora_config(target_modules=["q_proj", "mlp_conv"], modules_to_save=["mlp_conv"])
+
+
+def test_extracted_adapter_reproduces_a_low_rank_fine_tune(targets, tmp_path):
+    base = randomize_selector(make_drafter(targets["llama"]))
+    base.save_pretrained(tmp_path / "base")
+    tuned = DFlash2DraftModel.from_pretrained(tmp_path / "base")
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():  # a rank-2 update of every projection, and new small modules
+        for name, module in tuned.named_modules():
+            if name.endswith(("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")):
+                out_f, in_f = module.weight.shape
+                module.weight += torch.randn(out_f, 2, generator=g) @ torch.randn(2, in_f, generator=g) * 0.1
+        for name, p in tuned.named_parameters():
+            if "layernorm" in name or "conv" in name:
+                p += 0.1 * torch.randn(p.shape, generator=g)
+    embeds = torch.randn(1, base.config.block_size, base.config.hidden_size)
+    ctx = torch.randn(1, 5, base.fc.in_features)
+    config = lora_config(r=2, alpha=4, modules_to_save=SMALL_MODULES)
+    model = extract_adapter(DFlash2DraftModel.from_pretrained(tmp_path / "base"), tuned, config)
+    save_adapter(model, tmp_path / "fp32")
+    save_adapter(model, tmp_path / "bf16", dtype=torch.bfloat16)
+    assert adapter_size_bytes(tmp_path / "bf16") < 0.6 * adapter_size_bytes(tmp_path / "fp32")
+    with torch.no_grad():
+        want = tuned(embeds, ctx).last_hidden_state
+        torch.testing.assert_close(model(embeds, ctx).last_hidden_state, want, rtol=1e-4, atol=1e-4)
+        base_out = base(embeds, ctx).last_hidden_state
+        assert not torch.allclose(base_out, want, atol=1e-2)
+        reloaded = load_adapter(DFlash2DraftModel.from_pretrained(tmp_path / "base"), tmp_path / "bf16")
+        got = reloaded(embeds, ctx).last_hidden_state  # bf16 storage: close to the fine-tune, far from the base
+        assert (got - want).abs().max() < 0.1 * (base_out - want).abs().max()
+    # a rank below the update's loses part of it; another architecture is refused
+    low = extract_adapter(DFlash2DraftModel.from_pretrained(tmp_path / "base"), tuned, lora_config(r=1, alpha=1))
+    with torch.no_grad():
+        assert not torch.allclose(low(embeds, ctx).last_hidden_state, want, atol=1e-3)
+    with pytest.raises(AdapterMismatchError, match="differs from the base"):
+        extract_adapter(DFlash2DraftModel.from_pretrained(tmp_path / "base"), make_drafter(targets["llama"], num_hidden_layers=3), config)
 
 
 def test_adapter_for_another_drafter_is_refused(targets, tmp_path):

@@ -25,6 +25,7 @@ import json
 import os
 from pathlib import Path
 
+import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers.utils import logging
 
@@ -35,11 +36,13 @@ from .quantization import refuse_int8
 logger = logging.get_logger(__name__)
 
 DEFAULT_TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-# Small per-layer modules worth training in full next to the LoRA layers (``modules_to_save``): the local
-# convolutions (base kernels + kernel projections) and the pre-sublayer norms, 0.87M parameters of the 27.3M SmolLM2
-# drafter. In a full fine-tune on unseen code they carry half the held-out gain (docs/training_experiments.md
-# "Session 24"), and no low-rank update reaches a norm's gain or a base kernel.
-SMALL_MODULES = ["attention_conv", "mlp_conv", "input_layernorm", "post_attention_layernorm"]
+# The drafter's small modules, worth training in full next to the LoRA layers (``modules_to_save``): the local
+# convolutions (base kernels + kernel projections), every norm, and the selector's hidden projection - 0.90M of the
+# 27.3M parameters of the SmolLM2 drafter. In a full fine-tune on unseen code they carry about half of the held-out
+# gain, and rank-32 factors of the projections plus these modules carry all of it (docs/training_experiments.md
+# "Session 24"); no low-rank update reaches a norm's scale or a base kernel.
+SMALL_MODULES = ["attention_conv", "mlp_conv", "input_layernorm", "post_attention_layernorm", "q_norm", "k_norm",
+                 "norm", "hidden_norm", "hidden_projection"]
 FINGERPRINT_FILE = "dflash2_adapter.json"
 _FINGERPRINT_FIELDS = (
     "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
@@ -98,15 +101,65 @@ def add_lora(drafter, config: LoraConfig | None = None) -> PeftModel:
     return get_peft_model(drafter, config or lora_config())
 
 
+@torch.no_grad()
+def extract_adapter(base, finetuned, config: LoraConfig) -> PeftModel:
+    """A LoRA adapter on ``base`` that approximates ``finetuned`` (the same drafter after a full fine-tune).
+
+    Each LoRA target's weight difference ``W_ft - W_base`` (``(out, in)``) is cut to its best rank-``config.r``
+    approximation (truncated SVD, Eckart-Young), split evenly between ``lora_B`` and ``lora_A`` with the adapter's
+    ``lora_alpha / r`` scaling undone; the ``modules_to_save`` copies take ``finetuned``'s weights as they are. A
+    full fine-tune followed by extraction can reach what training the low-rank factors directly does not (docs/
+    training_experiments.md "Session 24": held-out code tau 2.60 from rank 32 + the small modules, as the full
+    fine-tune). Source: LoRA (Hu et al., 2021, arXiv:2106.09685) for the parametrisation.
+
+    Args:
+        base: the drafter the adapter adapts (float32 or bfloat16; left unchanged apart from peft's wrapping).
+        finetuned: a :class:`~dflash2_hf.DFlash2DraftModel` of the same shapes.
+        config: which modules get LoRA factors (``target_modules``, rank ``r``, ``lora_alpha``) and which are copied
+            in full (``modules_to_save``), e.g. :func:`lora_config`.
+
+    Returns:
+        The ``PeftModel`` around ``base`` (save it with :func:`save_adapter`).
+
+    Raises:
+        AdapterMismatchError: ``finetuned`` has other shapes or target binding than ``base``.
+    """
+    diff = {k: (v, finetuned.config.to_dict().get(k)) for k, v in _fingerprint_fields(base).items()
+            if finetuned.config.to_dict().get(k) != v}
+    if diff:
+        raise AdapterMismatchError(f"Cannot extract an adapter: the fine-tuned drafter differs from the base in {diff} "
+                                   "(base, fine-tuned); pass the drafter the fine-tune started from.")
+    tuned = dict(finetuned.named_modules())
+    model = add_lora(base, config)
+    for name, module in model.get_base_model().named_modules():
+        if hasattr(module, "lora_A") and "default" in module.lora_A:
+            delta = tuned[name].weight.float() - module.base_layer.weight.float()
+            u, s, vh = torch.linalg.svd(delta, full_matrices=False)
+            rank = module.lora_A["default"].weight.shape[0]
+            root = (s[:rank] / module.scaling["default"]).sqrt()
+            module.lora_B["default"].weight.copy_(u[:, :rank] * root)
+            module.lora_A["default"].weight.copy_(root[:, None] * vh[:rank])
+        elif hasattr(module, "modules_to_save") and "default" in module.modules_to_save:
+            module.modules_to_save["default"].load_state_dict(tuned[name].state_dict())
+    return model
+
+
 def write_fingerprint(model: PeftModel, save_directory: str | os.PathLike) -> None:
     """Writes ``dflash2_adapter.json`` (the base drafter's fingerprint) next to a saved adapter."""
     fingerprint = drafter_fingerprint(model.get_base_model())
     Path(save_directory, FINGERPRINT_FILE).write_text(json.dumps(fingerprint, indent=2, sort_keys=True))
 
 
-def save_adapter(model: PeftModel, save_directory: str | os.PathLike) -> None:
-    """Saves ONLY the adapter (``adapter_model.safetensors`` + ``adapter_config.json``) and the base fingerprint."""
-    model.save_pretrained(save_directory)
+def save_adapter(model: PeftModel, save_directory: str | os.PathLike, dtype: torch.dtype | None = None) -> None:
+    """Saves ONLY the adapter (``adapter_model.safetensors`` + ``adapter_config.json``) and the base fingerprint.
+
+    ``dtype``: store the adapter weights in this precision (e.g. ``torch.bfloat16``, half the bytes of float32;
+    loading casts them to the drafter's precision); default: as held.
+    """
+    state = None
+    if dtype is not None:
+        state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in model.state_dict().items()}
+    model.save_pretrained(save_directory, state_dict=state)
     write_fingerprint(model, save_directory)
 
 

@@ -143,8 +143,8 @@ def add_lora_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--lora-modules-to-save", default=None, metavar="NAMES",
                    help="comma-separated module names trained in full next to the LoRA layers and saved in the "
                         "adapter (peft's modules_to_save), e.g. the small per-layer modules of "
-                        "dflash2_hf.lora.SMALL_MODULES: attention_conv,mlp_conv,input_layernorm,post_attention_layernorm "
-                        "(3%% of a SmolLM2 drafter)")
+                        "dflash2_hf.lora.SMALL_MODULES: attention_conv,mlp_conv,input_layernorm,post_attention_layernorm,"
+                        "q_norm,k_norm,norm,hidden_norm,hidden_projection (3%% of a SmolLM2 drafter)")
     g.add_argument("--lora-modules-lr", type=float, default=None, metavar="LR",
                    help="learning rate of the --lora-modules-to-save modules (default: --lr, the LoRA layers' rate)")
     g.add_argument("--only-code", action="store_true",
