@@ -1,4 +1,4 @@
-"""Turns a LoRA run (`dflash2 train --lora`) into a shipped, Hub-ready adapter folder with its model card.
+"""Turns a LoRA run (`dflash2 train --lora`, or an adapter extracted by examples/extract_adapter.py) into a shipped, Hub-ready adapter folder with its model card.
 
     python examples/ship_adapter.py --adapter runs/stdlib-lora-r32 --base model_cards/dflash2-smollm2-135m-instruct \
         --data data/smollm2-stdlib-code --out model_cards/dflash2-smollm2-135m-instruct-code-lora \
@@ -31,10 +31,7 @@ def _range(span) -> str:
     return f"[{span[0]}, {span[1]})" if span else "(all)"
 
 
-def recipe_text(adapter_dir: Path, data_dir: Path, base_dir: Path, data_note: str) -> str:
-    cmd = json.loads((adapter_dir / "train_command.json").read_text())
-    summary_path = adapter_dir / "training_summary.json"
-    summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+def _data_text(data_dir: Path, data_note: str) -> str:
     meta = read_meta(data_dir)
     records = load_prepared(data_dir)
     tokens = sum(e - s for r in records for s, e in r["response_spans"])
@@ -47,16 +44,46 @@ def recipe_text(adapter_dir: Path, data_dir: Path, base_dir: Path, data_note: st
         f"template, max {gen.get('max_new_tokens')} new "
         f"tokens; `dflash2 prepare-data`): {len(records)} conversations, {tokens} response tokens. HumanEval was "
         "never used for training.\n"
-        f"- **Training** (`transformers.Trainer` + `peft`, CPU, {cmd.get('threads')} "
-        f"thread{'s' if cmd.get('threads') != 1 else ''}, "
-        f"{summary.get('wall_s', '?')} s): `dflash2 {' '.join(cmd['argv'][1:])}`\n"
+    )
+
+
+def _run_text(argv: list[str], threads, wall_s) -> str:
+    return (f"CPU, {threads} thread{'s' if threads != 1 else ''}, {wall_s if wall_s is not None else '?'} s): "
+            f"`dflash2 {' '.join(argv[1:])}`")
+
+
+def recipe_text(adapter_dir: Path, data_dir: Path, base_dir: Path, data_note: str) -> str:
+    """The card's recipe: the data, then the `dflash2 train --lora` run, or (an adapter from
+    examples/extract_adapter.py, with ``extraction.json``) every full fine-tuning stage and the extraction."""
+    extraction = adapter_dir / "extraction.json"
+    if extraction.is_file():
+        record = json.loads(extraction.read_text())
+        stages = "".join(f"  {i}. ({_run_text(stage['argv'], stage['threads'], stage['wall_s'])}\n"
+                         for i, stage in enumerate(record["finetune"], 1))
+        return (
+            _data_text(data_dir, data_note)
+            + "- **Training**: a full fine-tune of the base drafter (`transformers.Trainer`), in stages:\n" + stages
+            + f"- **Extraction** into this adapter (truncated SVD of each LoRA target's update, the modules to save "
+            f"copied; {record['adapter_parameters'] / 1e6:.2f}M parameters = "
+            f"{100 * record['adapter_parameters'] / record['base_parameters']:.1f}% of the base drafter's): "
+            f"`{' '.join(record['argv'])}`\n"
+            f"- **Base drafter**: `{base_dir}` (unchanged; the adapter holds the low-rank factors and the small "
+            "modules' fine-tuned copies)."
+        )
+    cmd = json.loads((adapter_dir / "train_command.json").read_text())
+    summary_path = adapter_dir / "training_summary.json"
+    summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+    return (
+        _data_text(data_dir, data_note)
+        + f"- **Training** (`transformers.Trainer` + `peft`, {_run_text(cmd['argv'], cmd.get('threads'), summary.get('wall_s'))}\n"
         f"- **Base drafter**: `{base_dir}` (frozen; only the LoRA matrices train)."
     )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--adapter", required=True, help="output folder of dflash2 train --lora")
+    parser.add_argument("--adapter", required=True,
+                        help="output folder of dflash2 train --lora or of examples/extract_adapter.py")
     parser.add_argument("--base", required=True, help="the base drafter folder the adapter was trained on")
     parser.add_argument("--data", required=True, help="the prepared data the adapter was trained on")
     parser.add_argument("--out", required=True)

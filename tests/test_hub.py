@@ -48,6 +48,10 @@ def test_adapter_card_metadata():
     assert {"lora", "dflash2"} <= set(meta["tags"]) and meta["license"] == "apache-2.0"
     assert 'load_adapter(draft, "org/drafter-code-lora")' in card.text
     assert "rank 8" in card.text and "`q_proj`" in card.text and "| tau | 2 |" in card.text
+    assert "modules_to_save" not in card.text
+    full = build_adapter_card(lora_config(r=8, modules_to_save=["mlp_conv", "hidden_norm"]), base_drafter="org/drafter",
+                              target="t/t", repo_id="org/x", purpose=".", recipe="r.", results="-")
+    assert "fully trained copies of `hidden_norm`, `mlp_conv`" in full.text
 
 
 @pytest.fixture

@@ -227,3 +227,29 @@ def test_unreachable_hub_adapter_is_a_clear_error_without_the_fingerprint_warnin
     with caplog.at_level("WARNING"), pytest.raises(FileNotFoundError, match="no LoRA adapter at 'someorg/none'"):
         load_adapter(drafter, "someorg/none")
     assert "dflash2_adapter.json" not in caplog.text
+
+
+def test_extract_adapter_script_records_the_fine_tune_chain(targets, tmp_path, monkeypatch):
+    import json
+    import runpy
+    from pathlib import Path
+
+    base = make_drafter(targets["llama"])
+    base.save_pretrained(tmp_path / "base")
+    tuned = DFlash2DraftModel.from_pretrained(tmp_path / "base")
+    with torch.no_grad():
+        tuned.layers[0].mlp.up_proj.weight.add_(0.1)  # a rank-1 update
+    for stage, init in (("ft1", tmp_path / "base"), ("ft2", tmp_path / "ft1")):
+        tuned.save_pretrained(tmp_path / stage)
+        (tmp_path / stage / "train_command.json").write_text(json.dumps(
+            {"argv": ["dflash2", "train", "--init", str(init)], "args": {"init": str(init)}, "threads": 1}))
+    script = Path(__file__).resolve().parents[1] / "examples" / "extract_adapter.py"
+    monkeypatch.setattr("sys.argv", ["extract_adapter.py", "--base", str(tmp_path / "base"), "--finetuned",
+                                     str(tmp_path / "ft2"), "--out", str(tmp_path / "x"), "--r", "2", "--alpha", "2"])
+    runpy.run_path(str(script), run_name="__main__")
+    record = json.loads((tmp_path / "x" / "extraction.json").read_text())
+    assert [stage["output"] for stage in record["finetune"]] == [str(tmp_path / "ft1"), str(tmp_path / "ft2")]
+    assert 0 < record["adapter_parameters"] < record["base_parameters"]
+    adapted = load_adapter(DFlash2DraftModel.from_pretrained(tmp_path / "base"), tmp_path / "x").merge_and_unload()
+    torch.testing.assert_close(adapted.layers[0].mlp.up_proj.weight, tuned.layers[0].mlp.up_proj.weight,
+                               rtol=1e-2, atol=1e-2)  # bf16 storage of the factors

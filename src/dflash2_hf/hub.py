@@ -161,7 +161,9 @@ def build_adapter_card(
         base_drafter=base_drafter,
         target=target,
         purpose=purpose,
-        modules="LoRA on " + ", ".join(f"`{m}`" for m in modules) if modules else "LoRA",
+        modules=("LoRA on " + ", ".join(f"`{m}`" for m in modules) if modules else "LoRA") + (
+            " plus fully trained copies of " + ", ".join(f"`{m}`" for m in sorted(peft_config.modules_to_save))
+            + " (peft `modules_to_save`)" if peft_config.modules_to_save else ""),
         r=peft_config.r,
         repo_id=repo_id,
         recipe=recipe,
