@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
@@ -118,6 +119,15 @@ def test_prepare_train_lora_generate(tmp_path, monkeypatch):
     assert any(k.endswith("mlp_conv.base_kernel") for k in load_file(tmp_path / "code-lora" / "adapter_model.safetensors"))
     groups = torch.load(tmp_path / "code-lora" / "checkpoint-1" / "optimizer.pt", weights_only=False)["param_groups"]
     assert sorted({g["initial_lr"] for g in groups if g["params"]}) == [1e-5, 6e-4]
+    # --lora-init goes on training that adapter (its modules to save included) instead of a fresh one
+    assert main(["train", *code_common, "--output", str(tmp_path / "code-lora2"), "--init", str(tmp_path / "drafter"),
+                 "--lora", "--lora-init", str(tmp_path / "code-lora"), "--only-code", "--max-steps", "3", "--warmup", "0"]) == 0
+    first = load_file(tmp_path / "code-lora" / "adapter_model.safetensors")
+    second = load_file(tmp_path / "code-lora2" / "adapter_model.safetensors")
+    assert first.keys() == second.keys() and any(not torch.equal(first[k], second[k]) for k in first)
+    with pytest.raises(SystemExit, match="add --lora"):  # without --lora: refused
+        main(["train", *code_common, "--output", str(tmp_path / "bad"), "--lora-init", str(tmp_path / "code-lora"),
+              "--max-steps", "1"])
     assert (tmp_path / "code-lora" / "checkpoint-1" / "dflash2_adapter.json").is_file()  # checkpoints load checked
 
     # --eval-only --lora evaluates base + adapter; --only-code keeps a code folder whole for evaluation too

@@ -9,7 +9,17 @@ Which modules get LoRA and why (:data:`DEFAULT_TARGET_MODULES`):
 * ``fc`` (context fusion) and the selector's ``hidden_projection`` stay frozen by default: they map the target's
   hidden states, which a domain shift moves far less than what the drafter predicts from them; add them with
   ``target_modules`` if your target itself was fine-tuned. The selector codebooks are plain parameters (``(V, r)``
-  tables, not layers), so LoRA cannot wrap them; they stay as trained.
+  tables, not layers), so LoRA cannot wrap them; they stay as trained (on unseen code their update in a full
+  fine-tune carries none of its gain).
+* the small modules (:data:`SMALL_MODULES`: local convolutions, norms, ``hidden_projection``) can be trained in full
+  inside the adapter (peft ``modules_to_save``; ``dflash2 train --lora-modules-to-save``): low-rank factors cannot
+  move a norm's scale or a convolution's base kernel, and on unseen code these modules carry half of a full
+  fine-tune's gain.
+
+Two ways to make an adapter: train the LoRA factors directly (``dflash2 train --lora``), or fine-tune the whole
+drafter and extract the adapter from its update (:func:`extract_adapter`, ``examples/extract_adapter.py``). On the
+same code data and steps the second kept all of the full fine-tune's held-out gain at rank 32 (+5.3%, 9.7% of the
+drafter's parameters), the first reached about half of it (docs/training_experiments.md "Session 24").
 
 An adapter folder is what ``PeftModel.save_pretrained`` writes plus ``dflash2_adapter.json``, a fingerprint of the
 base drafter checked on load: its shapes and target binding (an adapter for another architecture fails with a clear

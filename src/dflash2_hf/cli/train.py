@@ -40,15 +40,20 @@ def wrap_model(drafter, args: argparse.Namespace):
             without ``--lora``, or ``--lora-modules-lr`` without ``--lora-modules-to-save``.
     """
     if not args.lora:
-        if args.lora_modules_to_save or args.lora_modules_lr is not None:
-            raise SystemExit("--lora-modules-to-save / --lora-modules-lr shape a LoRA adapter: add --lora (and --init).")
+        if args.lora_modules_to_save or args.lora_modules_lr is not None or args.lora_init:
+            raise SystemExit("--lora-modules-to-save / --lora-modules-lr / --lora-init shape a LoRA adapter: add --lora "
+                             "(and --init).")
         return drafter
-    if args.lora_modules_lr is not None and not args.lora_modules_to_save:
+    if args.lora_modules_lr is not None and not (args.lora_modules_to_save or args.lora_init):
         raise SystemExit("--lora-modules-lr sets the rate of --lora-modules-to-save: name those modules too.")
     if not args.init:
         raise SystemExit("--lora needs --init PATH_OR_ID: the trained drafter the adapter adapts.")
     from ..lora import add_lora, lora_config
 
+    if args.lora_init:  # go on training an existing adapter (its own rank, targets and modules to save)
+        from ..lora import load_adapter
+
+        return load_adapter(drafter, args.lora_init, is_trainable=True)
     modules = args.lora_target_modules.split(",") if args.lora_target_modules else None
     full = args.lora_modules_to_save.split(",") if args.lora_modules_to_save else None
     return add_lora(drafter, lora_config(args.lora_r, args.lora_alpha, args.lora_dropout, modules, full))

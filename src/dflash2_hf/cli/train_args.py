@@ -145,6 +145,9 @@ def add_lora_arguments(parser: argparse.ArgumentParser) -> None:
                         "adapter (peft's modules_to_save), e.g. the small per-layer modules of "
                         "dflash2_hf.lora.SMALL_MODULES: attention_conv,mlp_conv,input_layernorm,post_attention_layernorm,"
                         "q_norm,k_norm,norm,hidden_norm,hidden_projection (3%% of a SmolLM2 drafter)")
+    g.add_argument("--lora-init", default=None, metavar="ADAPTER",
+                   help="start from this adapter of the --init drafter (e.g. one from examples/extract_adapter.py) "
+                        "instead of a fresh one; its rank, targets and modules to save are kept")
     g.add_argument("--lora-modules-lr", type=float, default=None, metavar="LR",
                    help="learning rate of the --lora-modules-to-save modules (default: --lr, the LoRA layers' rate)")
     g.add_argument("--only-code", action="store_true",
