@@ -30,6 +30,12 @@ def _perturb_adapter(model, seed=0):
                 p.copy_(torch.randn(p.shape, generator=g) * 0.5)
 
 
+def _drafter_inputs(drafter):
+    """A random block of input embeddings and 5 positions of context features for ``drafter``."""
+    return (torch.randn(1, drafter.config.block_size, drafter.config.hidden_size),
+            torch.randn(1, 5, drafter.fc.in_features))
+
+
 def test_lora_wraps_only_projections_and_generates(targets, tmp_path):
     target = targets["llama"]
     base = randomize_selector(make_drafter(target))
@@ -52,8 +58,7 @@ def test_lora_wraps_only_projections_and_generates(targets, tmp_path):
     assert adapter_size_bytes(tmp_path / "adapter") < checkpoint_size_bytes(tmp_path / "base")
 
     reloaded = load_adapter(DFlash2DraftModel.from_pretrained(tmp_path / "base"), tmp_path / "adapter")
-    embeds = torch.randn(1, base.config.block_size, base.config.hidden_size)
-    ctx = torch.randn(1, 5, base.fc.in_features)
+    embeds, ctx = _drafter_inputs(base)
     with torch.no_grad():
         h1 = model(embeds, ctx).last_hidden_state
         h2 = reloaded(embeds, ctx).last_hidden_state
@@ -89,8 +94,7 @@ def test_modules_to_save_train_in_full_and_round_trip(targets, tmp_path):
     assert any("mlp_conv" in k for k in saved) and any("post_attention_layernorm" in k for k in saved)
 
     reloaded = load_adapter(DFlash2DraftModel.from_pretrained(tmp_path / "base"), tmp_path / "adapter")
-    embeds = torch.randn(1, base.config.block_size, base.config.hidden_size)
-    ctx = torch.randn(1, 5, base.fc.in_features)
+    embeds, ctx = _drafter_inputs(base)
     with torch.no_grad():
         h0 = base(embeds, ctx).last_hidden_state
         h1 = model(embeds, ctx).last_hidden_state
@@ -118,8 +122,7 @@ def test_extracted_adapter_reproduces_a_low_rank_fine_tune(targets, tmp_path):
         for name, p in tuned.named_parameters():
             if "layernorm" in name or "conv" in name:
                 p += 0.1 * torch.randn(p.shape, generator=g)
-    embeds = torch.randn(1, base.config.block_size, base.config.hidden_size)
-    ctx = torch.randn(1, 5, base.fc.in_features)
+    embeds, ctx = _drafter_inputs(base)
     config = lora_config(r=2, alpha=4, modules_to_save=SMALL_MODULES)
     model = extract_adapter(DFlash2DraftModel.from_pretrained(tmp_path / "base"), tuned, config)
     save_adapter(model, tmp_path / "fp32")
