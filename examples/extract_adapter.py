@@ -19,8 +19,9 @@ from pathlib import Path
 
 import torch
 
-from dflash2_hf import DFlash2DraftModel
+from dflash2_hf import CheckpointError, DFlash2DraftModel
 from dflash2_hf.lora import (
+    AdapterMismatchError,
     DEFAULT_TARGET_MODULES,
     SMALL_MODULES,
     adapter_size_bytes,
@@ -48,20 +49,31 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--base", required=True, help="the drafter the fine-tune started from (the adapter's base)")
     parser.add_argument("--finetuned", required=True, help="the fully fine-tuned drafter (dflash2 train --output)")
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--r", type=int, default=32)
-    parser.add_argument("--alpha", type=int, default=64)
-    parser.add_argument("--target-modules", default=",".join(DEFAULT_TARGET_MODULES + ["fc"]))
+    parser.add_argument("--out", required=True, help="folder for the adapter (created)")
+    parser.add_argument("--r", type=int, default=32, help="LoRA rank of every target (size: see the printed share)")
+    parser.add_argument("--alpha", type=int, default=64, help="lora_alpha (the factors are scaled to match it)")
+    parser.add_argument("--target-modules", default=",".join(DEFAULT_TARGET_MODULES + ["fc"]),
+                        help="modules that get LoRA factors (default: the projections AND fc, whose update a full "
+                             "fine-tune moves; `dflash2 train --lora` leaves fc out unless named)")
     parser.add_argument("--modules-to-save", default="small",
                         help="comma-separated names copied in full; 'small' = dflash2_hf.lora.SMALL_MODULES; '' = none")
     parser.add_argument("--dtype", choices=["fp32", "bf16"], default="bf16", help="precision of the stored adapter")
     args = parser.parse_args()
     full = SMALL_MODULES if args.modules_to_save == "small" else [m for m in args.modules_to_save.split(",") if m]
-    base = DFlash2DraftModel.from_pretrained(args.base, dtype=torch.float32)
-    finetuned = DFlash2DraftModel.from_pretrained(args.finetuned, dtype=torch.float32)
+    for flag, folder in (("--base", args.base), ("--finetuned", args.finetuned)):
+        if Path(folder, "adapter_config.json").is_file():
+            parser.error(f"{flag} {folder} is a LoRA adapter; pass a drafter folder (config.json + model.safetensors)")
+    try:
+        base = DFlash2DraftModel.from_pretrained(args.base, dtype=torch.float32)
+        finetuned = DFlash2DraftModel.from_pretrained(args.finetuned, dtype=torch.float32)
+    except (OSError, CheckpointError, ValueError) as err:
+        parser.error(str(err))
     base_params = sum(p.numel() for p in base.parameters())  # before peft wraps it in place
     config = lora_config(args.r, args.alpha, 0.0, args.target_modules.split(","), full)
-    model = extract_adapter(base, finetuned, config)
+    try:
+        model = extract_adapter(base, finetuned, config)
+    except AdapterMismatchError as err:
+        parser.error(str(err))
     save_adapter(model, args.out, dtype=torch.bfloat16 if args.dtype == "bf16" else None)
     size, base_size = adapter_size_bytes(args.out), checkpoint_size_bytes(args.base)
     params = sum(p.numel() for n, p in model.named_parameters() if "lora_" in n or ".modules_to_save." in n)

@@ -128,6 +128,10 @@ def test_prepare_train_lora_generate(tmp_path, monkeypatch):
     with pytest.raises(SystemExit, match="add --lora"):  # without --lora: refused
         main(["train", *code_common, "--output", str(tmp_path / "bad"), "--lora-init", str(tmp_path / "code-lora"),
               "--max-steps", "1"])
+    with pytest.raises(SystemExit, match="--lora-init: adapter folder"):  # no such adapter
+        main(["train", *code_common, "--output", str(tmp_path / "bad"), "--init", str(tmp_path / "drafter"), "--lora",
+              "--lora-init", str(tmp_path / "nothing"), "--max-steps", "1"])
+    assert not (tmp_path / "bad").exists()  # both refused before any work
     assert (tmp_path / "code-lora" / "checkpoint-1" / "dflash2_adapter.json").is_file()  # checkpoints load checked
 
     # --eval-only --lora evaluates base + adapter; --only-code keeps a code folder whole for evaluation too

@@ -26,28 +26,46 @@ import os
 import sys
 import time
 
+from ..errors import CheckpointError
 from . import resolve_device
 from .train_args import add_arguments, add_lora_arguments, cache_kwargs, distill_weight, resolve_precision  # noqa: F401
 
 logger = logging.getLogger("dflash2.train")
 
 
-def wrap_model(drafter, args: argparse.Namespace):
-    """The module the Trainer optimizes: the drafter, or (``--lora``) a PEFT LoRA model around it.
+def check_lora_args(args: argparse.Namespace) -> None:
+    """Validates the LoRA options before any work (target load, features).
 
     Raises:
-        SystemExit: ``--lora`` without ``--init`` (an adapter needs a trained base drafter), or LoRA-only options
-            without ``--lora``, or ``--lora-modules-lr`` without ``--lora-modules-to-save``.
+        SystemExit: ``--lora`` without ``--init`` (an adapter needs a trained base drafter), LoRA-only options without
+            ``--lora``, ``--lora-modules-lr`` without modules to train in full, or a local ``--lora-init`` folder that
+            is missing or no adapter (``dflash2_hf.lora.check_adapter_folder``'s message).
     """
     if not args.lora:
         if args.lora_modules_to_save or args.lora_modules_lr is not None or args.lora_init:
             raise SystemExit("--lora-modules-to-save / --lora-modules-lr / --lora-init shape a LoRA adapter: add --lora "
                              "(and --init).")
-        return drafter
+        return
     if args.lora_modules_lr is not None and not (args.lora_modules_to_save or args.lora_init):
         raise SystemExit("--lora-modules-lr sets the rate of --lora-modules-to-save: name those modules too.")
     if not args.init:
         raise SystemExit("--lora needs --init PATH_OR_ID: the trained drafter the adapter adapts.")
+    if args.lora_init:
+        from ..hub import is_local_path
+        from ..lora import check_adapter_folder
+
+        if is_local_path(args.lora_init):
+            try:
+                check_adapter_folder(args.lora_init)
+            except (FileNotFoundError, CheckpointError) as err:
+                raise SystemExit(f"--lora-init: {err}") from err
+
+
+def wrap_model(drafter, args: argparse.Namespace):
+    """The module the Trainer optimizes: the drafter, or (``--lora``) a PEFT LoRA model around it (options checked
+    by :func:`check_lora_args`)."""
+    if not args.lora:
+        return drafter
     from ..lora import add_lora, lora_config
 
     if args.lora_init:  # go on training an existing adapter (its own rank, targets and modules to save)
@@ -260,6 +278,7 @@ def run(args: argparse.Namespace) -> int:
     )
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    check_lora_args(args)
     if args.eval_only and not args.eval_data:
         logger.error("--eval-only needs --eval-data")
         return 2
