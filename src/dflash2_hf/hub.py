@@ -156,14 +156,16 @@ def build_adapter_card(
         recipe, results: Markdown; ``results`` must hold numbers you measured, with the command that produced them.
     """
     modules = sorted(peft_config.target_modules) if peft_config.target_modules else []
+    described = "LoRA on " + ", ".join(f"`{m}`" for m in modules) if modules else "LoRA"
+    if peft_config.modules_to_save:
+        full = ", ".join(f"`{m}`" for m in sorted(peft_config.modules_to_save))
+        described += f" plus fully trained copies of {full} (peft `modules_to_save`)"
     text = _ADAPTER_TEMPLATE.format(
         title=f"LoRA adapter for {base_drafter.split('/')[-1]}",
         base_drafter=base_drafter,
         target=target,
         purpose=purpose,
-        modules=("LoRA on " + ", ".join(f"`{m}`" for m in modules) if modules else "LoRA") + (
-            " plus fully trained copies of " + ", ".join(f"`{m}`" for m in sorted(peft_config.modules_to_save))
-            + " (peft `modules_to_save`)" if peft_config.modules_to_save else ""),
+        modules=described,
         r=peft_config.r,
         repo_id=repo_id,
         recipe=recipe,

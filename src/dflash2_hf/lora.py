@@ -74,6 +74,11 @@ def _fingerprint_fields(drafter) -> dict:
     return {k: getattr(drafter.config, k) for k in _FINGERPRINT_FIELDS}
 
 
+def _differing_fields(expected: dict, actual: dict) -> dict:
+    """``{field: (expected value, actual value)}`` for every fingerprint field of ``actual`` that differs."""
+    return {k: (expected.get(k), v) for k, v in actual.items() if expected.get(k) != v}
+
+
 def drafter_fingerprint(drafter) -> dict:
     """Shape/binding fields of the base drafter an adapter depends on, their hash, and the weights' digest."""
     fields = _fingerprint_fields(drafter)
@@ -134,8 +139,7 @@ def extract_adapter(base, finetuned, config: LoraConfig) -> PeftModel:
     Raises:
         AdapterMismatchError: ``finetuned`` has other shapes or target binding than ``base``.
     """
-    diff = {k: (v, finetuned.config.to_dict().get(k)) for k, v in _fingerprint_fields(base).items()
-            if finetuned.config.to_dict().get(k) != v}
+    diff = _differing_fields(_fingerprint_fields(base), _fingerprint_fields(finetuned))
     if diff:
         raise AdapterMismatchError(f"Cannot extract an adapter: the fine-tuned drafter differs from the base in {diff} "
                                    "(base, fine-tuned); pass the drafter the fine-tune started from.")
@@ -274,9 +278,8 @@ def load_adapter(drafter, adapter_path: str | os.PathLike, is_trainable: bool = 
         logger.warning(f"{str(adapter_path)!r} has no {FINGERPRINT_FILE}: cannot check that this adapter was trained "
                        "for this drafter (save adapters with dflash2_hf.lora.save_adapter or `dflash2 train --lora`)")
     else:
-        expected = fingerprint["fields"]
-        actual = _fingerprint_fields(drafter)  # shapes first: the weights digest only when they match
-        diff = {k: (expected.get(k), actual[k]) for k in actual if expected.get(k) != actual[k]}
+        # shapes first: the weights digest only when they match
+        diff = _differing_fields(fingerprint["fields"], _fingerprint_fields(drafter))
         if diff:
             listing = ", ".join(f"{k}: adapter {a!r} vs drafter {b!r}" for k, (a, b) in diff.items())
             raise AdapterMismatchError(

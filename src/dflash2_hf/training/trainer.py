@@ -235,9 +235,10 @@ class DFlash2Trainer(Trainer):
     def create_optimizer(self, model=None):
         """The Trainer's optimizer; with ``modules_to_save_learning_rate``, a LoRA adapter's fully trained modules get
         their own parameter groups at that rate (the schedule scales every group alike)."""
+        fresh = self.optimizer is None  # the Trainer builds it once and hands back the same one after
         optimizer = super().create_optimizer(model)
         rate = self.args.modules_to_save_learning_rate
-        if rate is None or getattr(optimizer, "_full_module_groups", False):
+        if rate is None or not fresh:
             return optimizer
         names = {id(p): n for n, p in (self.model if model is None else model).named_parameters()}
         split = []
@@ -248,7 +249,6 @@ class DFlash2Trainer(Trainer):
                 split.append({**group, "params": full, "lr": rate, "initial_lr": rate})
         for group in split:  # the optimizer holds no state yet: moving parameters between groups is safe
             optimizer.add_param_group(group)
-        optimizer._full_module_groups = True
         return optimizer
 
     def _get_train_sampler(self, train_dataset=None):
