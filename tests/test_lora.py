@@ -256,3 +256,40 @@ def test_extract_adapter_script_records_the_fine_tune_chain(targets, tmp_path, m
     adapted = load_adapter(DFlash2DraftModel.from_pretrained(tmp_path / "base"), tmp_path / "x").merge_and_unload()
     torch.testing.assert_close(adapted.layers[0].mlp.up_proj.weight, tuned.layers[0].mlp.up_proj.weight,
                                rtol=1e-2, atol=1e-2)  # bf16 storage of the factors
+
+
+def test_ship_adapter_provenance_follows_lora_init_through_a_shipped_adapter(tmp_path):
+    """A LoRA run that continued an extracted adapter cites the fine-tunes and the extraction before it, and the
+    shipped folder keeps that history (provenance.json) for a run that continues it in turn."""
+    import json
+    import runpy
+    from pathlib import Path
+
+    script = runpy.run_path(str(Path(__file__).resolve().parents[1] / "examples" / "ship_adapter.py"))
+    provenance = script["provenance"]
+
+    def run_folder(name, argv, args):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "train_command.json").write_text(json.dumps({"argv": argv, "args": args, "threads": 1}))
+        return tmp_path / name
+
+    extracted = tmp_path / "x"
+    extracted.mkdir()
+    (extracted / "extraction.json").write_text(json.dumps({
+        "argv": ["python", "examples/extract_adapter.py", "--r", "4"], "adapter_parameters": 10,
+        "base_parameters": 100, "finetune": [{"output": "ft1", "argv": ["dflash2", "train"], "threads": 1,
+                                              "wall_s": 5.0}]}))
+    lora = run_folder("a", ["dflash2", "train", "--lora-init", str(extracted)], {"lora_init": str(extracted)})
+    stages = provenance(lora)
+    assert [s["kind"] for s in stages] == ["finetune", "extract", "lora"]
+    shipped = tmp_path / "shipped"
+    shipped.mkdir()
+    (shipped / script["PROVENANCE_FILE"]).write_text(json.dumps({"stages": stages}))
+    later = run_folder("b", ["dflash2", "train", "--lora-init", str(shipped)], {"lora_init": str(shipped)})
+    assert [s["kind"] for s in provenance(later)] == ["finetune", "extract", "lora", "lora"]
+    text = script["recipe_text"](provenance(later), [], Path("base"))
+    assert text.index("extraction into an adapter") < text.index("--lora-init " + str(shipped))
+    bare = run_folder("c", ["dflash2", "train", "--lora-init", str(tmp_path / "nothing")],
+                      {"lora_init": str(tmp_path / "nothing")})
+    with pytest.raises(FileNotFoundError, match="records how it was made in none of"):
+        provenance(bare)
