@@ -21,15 +21,8 @@ from collections import Counter
 from pathlib import Path
 
 from .prepared import _SHARD_FMT, _atomic_write_json, _fsync_append
-from .regenerate import (
-    _encode,
-    _messages,
-    _new_meta,
-    _render,
-    _Skip,
-    _stop_ids,
-    conversation_turns,
-)
+from .chat import _encode, _messages, _render, _Skip, conversation_turns
+from .meta import _new_meta, _stop_ids
 from .sharegpt import SHAREGPT_FILE, check_range, iter_sharegpt
 
 

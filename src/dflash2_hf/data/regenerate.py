@@ -19,7 +19,6 @@ shapes); the data stays the target's own greedy continuation of the exact ``inpu
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -31,11 +30,12 @@ from typing import Iterable, Iterator
 
 import torch
 
+from .chat import SKIP_REASONS, _Conv, _encode, _messages, _next_turn_delta, _render, _Skip, conversation_turns
+from .meta import FORMAT_VERSION, _ids_list, _new_meta, _stop_ids
 from .prepared import (
     _META,
     _SHARD_FMT,
     _SKIPPED,
-    PreparedDataError,
     _atomic_write_json,
     _DirLock,
     _fsync_append,
@@ -47,14 +47,8 @@ from .sharegpt import SHAREGPT_FILE, check_range, has_code_block, iter_sharegpt
 
 logger = logging.getLogger(__name__)
 
-FORMAT_NAME = "dflash2-regenerated-chat"
-FORMAT_VERSION = 1
-ROLE_MAP = {"human": "user", "gpt": "assistant", "system": "system"}
-ROLE_ALIASES = {"user": "human", "assistant": "gpt"}  # chat-template role names, accepted in the "from" field
-SKIP_REASONS = ("malformed", "unknown_role", "no_human_turn", "empty_turn", "prompt_too_long", "filtered_out")
 # record_filter name -> predicate on the raw ShareGPT record (records it rejects are skipped as "filtered_out")
 RECORD_FILTERS = {"code": has_code_block}
-_SENTINEL = "\u2063dflash2-sentinel\u2063"
 # settings that must not change when resuming into an existing out_dir
 _RESUME_KEYS = ("target.name", "target.model_type", "target.vocab_size", "target.dtype", "chat_template.sha256",
                 "generation.max_new_tokens", "generation.max_prompt_tokens", "generation.max_turns",
@@ -63,175 +57,6 @@ _RESUME_KEYS = ("target.name", "target.model_type", "target.vocab_size", "target
 _RESUME_HINTS = {"source.filter": "the folder was made with a different --only-code setting",
                  "source.path": "the folder was made from a different --source file",
                  "generation.max_new_tokens": "--max-new-tokens differs"}
-
-
-class _Skip(Exception):
-    def __init__(self, reason: str):
-        super().__init__(reason)
-        self.reason = reason
-
-
-# ----------------------------------------------------------------------------------------------- conversation
-
-
-def conversation_turns(record: dict, max_turns: int, with_answers: bool = False):
-    """``(system text or None, [human turn texts])`` usable from a ShareGPT record, at most ``max_turns`` humans.
-
-    Leading system turns become the system message; leading ``gpt`` turns (a conversation split mid-way) are
-    dropped; then human turns are taken while turns alternate human / gpt. Raises ``_Skip(reason)`` for bad
-    records (see :data:`SKIP_REASONS`). ``with_answers``: a third item, the record's own answer after each kept
-    human turn (``[str]``, one shorter when the conversation ends on a human turn).
-    """
-    # ShareGPT {"conversations": [{"from", "value"}]}, or the chat form {"messages": [{"role", "content"}]}
-    convs = (record.get("conversations", record.get("messages"))) if isinstance(record, dict) else None
-    if not isinstance(convs, list) or not all(isinstance(t, dict) for t in convs):
-        raise _Skip("malformed")
-    turns = []
-    for t in convs:
-        role, value = t.get("from", t.get("role")), t.get("value", t.get("content"))
-        if not isinstance(value, str):
-            raise _Skip("malformed")
-        turns.append({"from": ROLE_ALIASES.get(role, role) if isinstance(role, str) else None, "value": value})
-    if any(turn["from"] not in ROLE_MAP for turn in turns):
-        raise _Skip("unknown_role")
-    convs = turns
-    i = 0
-    systems = []
-    while i < len(convs) and convs[i]["from"] == "system":
-        systems.append(convs[i]["value"])
-        i += 1
-    while i < len(convs) and convs[i]["from"] == "gpt":
-        i += 1
-    if i >= len(convs):
-        raise _Skip("no_human_turn")
-    humans, answers = [], []
-    expect = "human"
-    for turn in convs[i:]:
-        if turn["from"] != expect or len(humans) >= max_turns and expect == "human":
-            break
-        if expect == "human":
-            if not turn["value"].strip():
-                if not humans:
-                    raise _Skip("empty_turn")
-                break
-            humans.append(turn["value"])
-        else:
-            answers.append(turn["value"])
-        expect = "gpt" if expect == "human" else "human"
-    system = "\n\n".join(s for s in systems if s.strip()) or None
-    return (system, humans, answers) if with_answers else (system, humans)
-
-
-def _messages(system: str | None, humans: list[str], answers: list[str], upto: int, with_answer: bool) -> list:
-    msgs = [{"role": "system", "content": system}] if system else []
-    for k in range(upto):
-        msgs.append({"role": "user", "content": humans[k]})
-        if k < upto - 1 or with_answer:
-            msgs.append({"role": "assistant", "content": answers[k]})
-    return msgs
-
-
-def _render(tokenizer, msgs: list, gen_prompt: bool) -> str:
-    return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen_prompt)
-
-
-def _encode(tokenizer, text: str) -> list[int]:
-    # the template text already holds the special tokens (bos etc.): same as apply_chat_template(tokenize=True)
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
-
-
-class _Conv:
-    """One conversation being regenerated."""
-
-    __slots__ = ("record_id", "source_id", "system", "humans", "answers", "ids", "spans", "truncated")
-
-    def __init__(self, record_id, source_id, system, humans, ids):
-        self.record_id, self.source_id, self.system, self.humans = record_id, source_id, system, humans
-        self.answers: list[str] = []
-        self.ids: list[int] = ids
-        self.spans: list[list[int]] = []
-        self.truncated = False
-
-    def to_json(self) -> dict:
-        return {"record_id": self.record_id, "source_id": self.source_id, "input_ids": self.ids,
-                "response_spans": self.spans, "num_response_tokens": sum(e - s for s, e in self.spans),
-                "num_turns": len(self.spans), "truncated": self.truncated}
-
-
-# ----------------------------------------------------------------------------------------------- meta
-
-
-def _package_version() -> str:
-    try:
-        from importlib.metadata import version
-
-        return version("dflash2-hf")
-    except Exception:
-        try:
-            import tomllib
-
-            pyproject = Path(__file__).resolve().parents[3] / "pyproject.toml"
-            return tomllib.loads(pyproject.read_text())["project"]["version"] + " (source tree)"
-        except Exception:
-            return "unknown"
-
-
-def _ids_list(x) -> list[int]:
-    if x is None:
-        return []
-    return [int(v) for v in (x if isinstance(x, (list, tuple)) else [x])]
-
-
-def _stop_ids(target, tokenizer) -> list[int]:
-    ids = _ids_list(getattr(target.generation_config, "eos_token_id", None))
-    if tokenizer.eos_token_id is not None and int(tokenizer.eos_token_id) not in ids:
-        ids.append(int(tokenizer.eos_token_id))
-    if not ids:
-        raise ValueError("the target has no eos_token_id (generation_config or tokenizer): cannot tell where a "
-                         "regenerated turn ends")
-    return ids
-
-
-def _new_meta(target, tokenizer, target_name, source, start, stop, settings) -> dict:
-    import transformers
-
-    template = tokenizer.chat_template
-    cfg = target.config
-    return {
-        "format": FORMAT_NAME,
-        "format_version": FORMAT_VERSION,
-        "package_version": _package_version(),
-        "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
-        "target": {
-            "name": target_name,
-            "name_or_path": str(getattr(target, "name_or_path", "") or getattr(cfg, "_name_or_path", "")),
-            "class": type(target).__name__,
-            "model_type": getattr(cfg, "model_type", None),
-            "dtype": str(target.dtype).replace("torch.", ""),
-            "vocab_size": getattr(cfg, "vocab_size", None) or getattr(cfg.get_text_config(), "vocab_size", None),
-            "num_hidden_layers": getattr(cfg.get_text_config(), "num_hidden_layers", None),
-            "hidden_size": getattr(cfg.get_text_config(), "hidden_size", None),
-        },
-        "tokenizer": {"name_or_path": str(getattr(tokenizer, "name_or_path", "")), "class": type(tokenizer).__name__,
-                      "vocab_size": len(tokenizer), "eos_token": tokenizer.eos_token,
-                      "pad_token_id": settings["pad_token_id"]},
-        "chat_template": {"sha256": hashlib.sha256(template.encode("utf-8")).hexdigest(), "text": template},
-        "generation": {
-            "do_sample": False,
-            "max_new_tokens": settings["max_new_tokens"],
-            "max_prompt_tokens": settings["max_prompt_tokens"],
-            "max_turns": settings["max_turns"],
-            "stop_token_ids": settings["stop_token_ids"],
-            "batch_size": settings["batch_size"],
-            "padding_side": "left",
-            "cache_implementation": settings["cache_implementation"],
-            "note": settings.get("note") or "",
-        },
-        "source": source | {"record_range": [start, stop]},
-        "runs": [],
-        "counts": {},
-        "status": "running",
-    }
 
 
 # ----------------------------------------------------------------------------------------------- generation
@@ -269,27 +94,6 @@ def _generate(target, contexts: list[list[int]], max_new_tokens: int, stop_ids: 
         else:
             results.append((row, False))
     return results
-
-
-def _next_turn_delta(tokenizer, conv: _Conv, stop_token: int) -> str | None:
-    """Template text between the stop token of the last response and the next assistant content (None if the
-    template does not render the conversation append-only, so the next turn cannot be placed)."""
-    k = len(conv.answers)
-    full_prev = _render(tokenizer, _messages(conv.system, conv.humans, conv.answers, k, True), False)
-    marked = list(conv.answers)
-    marked[-1] = marked[-1] + _SENTINEL
-    with_mark = _render(tokenizer, _messages(conv.system, conv.humans, marked, k, True), False)
-    cut = with_mark.rfind(_SENTINEL)
-    if cut < 0:
-        return None
-    suffix = with_mark[cut + len(_SENTINEL):]
-    stop_text = tokenizer.convert_ids_to_tokens(stop_token)
-    if not isinstance(stop_text, str) or not suffix.startswith(stop_text):
-        return None
-    nxt = _render(tokenizer, _messages(conv.system, conv.humans, conv.answers, k + 1, False), True)
-    if not nxt.startswith(full_prev) or not full_prev.endswith(suffix):
-        return None
-    return suffix[len(stop_text):] + nxt[len(full_prev):]
 
 
 # ----------------------------------------------------------------------------------------------- main entry
@@ -528,7 +332,7 @@ def _prepare_locked(target, tokenizer, out, start, stop, max_turns, max_prompt_t
                     c.truncated = not stopped
                     stats["generated_tokens"] += len(resp)
             stats["gen_seconds"] += time.time() - t0
-            lines, nlines = [], 0
+            lines = []
             for c in batch:
                 rec = c.to_json()
                 lines.append(json.dumps(rec, separators=(",", ":")) + "\n")

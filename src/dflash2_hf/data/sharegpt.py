@@ -16,7 +16,6 @@ str}, ...]}``; the record index (its position in the array, 0-based) is the ``re
 from __future__ import annotations
 
 import importlib.util
-import io
 import json
 import logging
 from pathlib import Path
