@@ -29,7 +29,7 @@ from dflash2_hf.data import load_prepared, response_mask
 from dflash2_hf.generation.candidate_generator import DFlash2CandidateGenerator
 from dflash2_hf.targets import load_target
 from dflash2_hf.training import BlockCollator
-from dflash2_hf.training.features import target_features
+from dflash2_hf.training.target_features import target_features
 from dflash2_hf.training.losses import accumulate_stats, drafter_loss, summarize_stats
 
 

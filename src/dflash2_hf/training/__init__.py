@@ -18,7 +18,8 @@ The ``dflash2 train`` command (:mod:`dflash2_hf.cli.train`) runs exactly this (p
 from .collator import IGNORE_INDEX, BlockCollator, block_labels, response_offsets, sample_anchors, valid_anchors
 from .dataset import FeatureDataset, GrowingConcatDataset, GrowingRandomSampler, load_training_records, normalize_record
 from .evaluate import evaluate_blocks
-from .features import FeatureCache, cache_key, feature_length, target_features
+from .features import FeatureCache, cache_key, feature_length
+from .target_features import target_features
 from .init import initialize_from_target, target_layer_choice
 from .losses import DrafterLossOutput, accumulate_stats, default_gamma, drafter_loss, slot_weights, summarize_stats
 from .trainer import (

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import os
-from pathlib import Path
 from typing import Sequence
 
 import torch
