@@ -121,10 +121,12 @@ def test_prepare_train_lora_generate(tmp_path, monkeypatch):
     assert sorted({g["initial_lr"] for g in groups if g["params"]}) == [1e-5, 6e-4]
     # --lora-init goes on training that adapter (its modules to save included) instead of a fresh one
     assert main(["train", *code_common, "--output", str(tmp_path / "code-lora2"), "--init", str(tmp_path / "drafter"),
-                 "--lora", "--lora-init", str(tmp_path / "code-lora"), "--only-code", "--max-steps", "3", "--warmup", "0"]) == 0
+                 "--lora", "--lora-init", str(tmp_path / "code-lora"), "--only-code", "--max-steps", "3", "--warmup", "0",
+                 "--lora-save-dtype", "bf16"]) == 0
     first = load_file(tmp_path / "code-lora" / "adapter_model.safetensors")
     second = load_file(tmp_path / "code-lora2" / "adapter_model.safetensors")
-    assert first.keys() == second.keys() and any(not torch.equal(first[k], second[k]) for k in first)
+    assert first.keys() == second.keys() and any(not torch.equal(first[k], second[k].float()) for k in first)
+    assert {v.dtype for v in first.values()} == {torch.float32} and {v.dtype for v in second.values()} == {torch.bfloat16}
     with pytest.raises(SystemExit, match="add --lora"):  # without --lora: refused
         main(["train", *code_common, "--output", str(tmp_path / "bad"), "--lora-init", str(tmp_path / "code-lora"),
               "--max-steps", "1"])

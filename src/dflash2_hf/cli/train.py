@@ -42,9 +42,10 @@ def check_lora_args(args: argparse.Namespace) -> None:
             is missing or no adapter (``dflash2_hf.lora.check_adapter_folder``'s message).
     """
     if not args.lora:
-        if args.lora_modules_to_save or args.lora_modules_lr is not None or args.lora_init:
-            raise SystemExit("--lora-modules-to-save / --lora-modules-lr / --lora-init shape a LoRA adapter: add --lora "
-                             "(and --init).")
+        if (args.lora_modules_to_save or args.lora_modules_lr is not None or args.lora_init
+                or args.lora_save_dtype != "fp32"):
+            raise SystemExit("--lora-modules-to-save / --lora-modules-lr / --lora-init / --lora-save-dtype shape a LoRA "
+                             "adapter: add --lora (and --init).")
         return
     if args.lora_modules_lr is not None and not (args.lora_modules_to_save or args.lora_init):
         raise SystemExit("--lora-modules-lr sets the rate of --lora-modules-to-save: name those modules too.")
@@ -416,7 +417,10 @@ def run(args: argparse.Namespace) -> int:
     result = trainer.train(resume_from_checkpoint=resume_from)
     trainer.save_model(args.output)
     if args.lora:  # save_model wrote the adapter files and their fingerprint (DFlash2Trainer._save)
-        from ..lora import adapter_size_bytes, checkpoint_size_bytes
+        from ..lora import adapter_size_bytes, checkpoint_size_bytes, save_adapter
+
+        if args.lora_save_dtype == "bf16":
+            save_adapter(trainer.model, args.output, dtype=torch.bfloat16)
 
         base_bytes = checkpoint_size_bytes(args.init) if os.path.isdir(args.init) else None
         logger.info("adapter: %.2f MB%s", adapter_size_bytes(args.output) / 1e6,

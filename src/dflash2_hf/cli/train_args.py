@@ -148,6 +148,8 @@ def add_lora_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--lora-init", default=None, metavar="ADAPTER",
                    help="start from this adapter of the --init drafter (e.g. one from examples/extract_adapter.py) "
                         "instead of a fresh one; its rank, targets and modules to save are kept")
+    g.add_argument("--lora-save-dtype", choices=["fp32", "bf16"], default="fp32",
+                   help="precision of the saved adapter (bf16: half the bytes; loading casts it to the drafter's)")
     g.add_argument("--lora-modules-lr", type=float, default=None, metavar="LR",
                    help="learning rate of the --lora-modules-to-save modules (default: --lr, the LoRA layers' rate)")
     g.add_argument("--only-code", action="store_true",
