@@ -8,6 +8,8 @@ names the tensors and the fix.
 
 from __future__ import annotations
 
+import os
+
 import torch
 from transformers.utils import logging
 
@@ -15,6 +17,44 @@ from .errors import CheckpointError
 from .integrity import digest_mismatch
 
 logger = logging.get_logger(__name__)
+
+
+def check_folder(path: str, config_passed: bool) -> None:
+    """Refuses a drafter path before ``transformers`` reads it.
+
+    Raises:
+        FileNotFoundError: ``path`` looks local (not an ``org/name`` Hub id) and does not exist.
+        CheckpointError: a folder without ``config.json`` and no ``config=`` passed (``transformers`` would fall back
+            to a default config and then report every weight as mis-shaped).
+    """
+    from .hub import is_local_path
+
+    if not os.path.exists(path) and is_local_path(path):
+        raise FileNotFoundError(
+            f"No drafter folder at {path!r}. Pass an existing folder or a Hub id (org/name), build an untrained "
+            "one with DFlash2DraftModel.from_target(target) (CLI: --drafter fresh), or train one (dflash2 train)."
+        )
+    if os.path.isdir(path) and not config_passed and not os.path.isfile(os.path.join(path, "config.json")):
+        raise CheckpointError(
+            f"No config.json in the drafter folder {path!r}: the weights cannot be read without the architecture "
+            "they were saved with. Copy the config.json that came with these weights into the folder, pass "
+            "config=DFlash2Config(...), or re-save the drafter with save_pretrained."
+        )
+
+
+def unreadable_weights_error(err: Exception, path: str) -> CheckpointError | None:
+    """The :class:`CheckpointError` for a loading error that says the weight file is truncated or corrupt, else None."""
+    from safetensors import SafetensorError
+
+    text = str(err)
+    if isinstance(err, SafetensorError) or any(
+        s in text.lower() for s in ("deserializ", "header too", "incomplete metadata", "unexpected end")
+    ):
+        return CheckpointError(
+            f"Could not read the drafter weights in {path!r}: {text}. "
+            "The file is truncated or corrupt: download or save the drafter again."
+        )
+    return None
 
 
 def check_loaded(model, info: dict, path: str, overridden: bool, config_passed: bool) -> None:
@@ -94,4 +134,4 @@ def _fc_hint(config, mismatched) -> str:
     )
 
 
-__all__ = ["DFlash2DraftModel", "DFlash2PreTrainedModel", "CandidateSelector", "GroupedDynamicCausalConv"]
+__all__ = ["check_folder", "check_loaded", "unreadable_weights_error"]

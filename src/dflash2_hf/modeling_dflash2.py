@@ -33,13 +33,13 @@ from transformers.cache_utils import Cache
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half
 from transformers.utils import ModelOutput
 
-from .checkpoint import check_loaded
+from .checkpoint import check_folder, check_loaded, unreadable_weights_error
 from .configuration_dflash2 import DFlash2Config
-from .errors import CheckpointError, DrafterTargetMismatchError, TargetConfigError, UnsupportedGenerationError
+from .errors import CheckpointError, DrafterTargetMismatchError, UnsupportedGenerationError
 from .integrity import weights_digest
 from .masking import AttentionMasks, drafter_cache, layer_attention
 from .quantization import is_quantized_linear, refuse_int8
-from .target_config import drafter_sizes, lookup, target_hidden_size, text_config
+from .target_config import drafter_fields_for_target, target_mismatches
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -418,21 +418,7 @@ class DFlash2DraftModel(DFlash2PreTrainedModel):
 
         Checks the hidden size, vocabulary size and layer count of ``target`` against the drafter config.
         """
-        tc = text_config(target)
-        problems = []
-        hidden = target_hidden_size(tc, fallback=target.get_input_embeddings().weight.shape[1])
-        if hidden != self.config.target_hidden_size:
-            problems.append(f"hidden size {hidden} != drafter's target_hidden_size {self.config.target_hidden_size}")
-        vocab = target.get_output_embeddings().weight.shape[0]
-        if vocab != self.config.vocab_size:
-            problems.append(f"vocabulary {vocab} != drafter's vocab_size {self.config.vocab_size}")
-        layers = lookup(tc, "num_target_layers")  # unnamed in the config: from_target took the count as an override
-        layers = self.config.num_target_layers if layers is None else layers
-        if layers != self.config.num_target_layers or max(self.config.target_layer_ids) >= layers:
-            problems.append(
-                f"{layers} layers, drafter expects num_target_layers={self.config.num_target_layers} "
-                f"with target_layer_ids={list(self.config.target_layer_ids)}"
-            )
+        problems = target_mismatches(self.config, target)
         if problems:
             raise DrafterTargetMismatchError(
                 f"This drafter was built for another target: the target {type(target).__name__} has "
@@ -475,42 +461,7 @@ class DFlash2DraftModel(DFlash2PreTrainedModel):
                 "generation for them: their state cannot be rolled back past rejected draft tokens). Use an "
                 "attention-based target."
             )
-        tc = text_config(target)
-        hidden = target.get_input_embeddings().weight.shape[1]  # the block embeddings' width = the drafter's
-        head = target.get_output_embeddings().weight
-        if head.shape[1] != hidden:
-            raise TargetConfigError(
-                f"The target's LM head reads width {head.shape[1]} but its embeddings have width {hidden} (a projection "
-                "between them): a DFlash2 drafter feeds both the same hidden state, so it cannot serve this target."
-            )
-        vocab = head.shape[0]
-        eos = getattr(tc, "eos_token_id", None)
-        eos = eos if isinstance(eos, list) else [eos]
-        mask_token_id = next(
-            (
-                i
-                for i in (getattr(tc, "pad_token_id", None), getattr(tc, "unk_token_id", None))
-                if isinstance(i, int) and 0 <= i < vocab and i not in eos
-            ),
-            vocab - 1,
-        )
-        embed_scale = getattr(target.get_input_embeddings(), "embed_scale", 1.0)
-        fields = dict(
-            vocab_size=vocab,
-            hidden_size=hidden,
-            num_hidden_layers=5,
-            mask_token_id=mask_token_id,
-            input_embedding_scale=float(embed_scale),
-            final_logit_softcapping=getattr(tc, "final_logit_softcapping", None),
-            selector_rank=min(256, max(32, hidden // 8)),
-            eos_token_id=getattr(tc, "eos_token_id", None),
-            pad_token_id=getattr(tc, "pad_token_id", None),
-            bos_token_id=getattr(tc, "bos_token_id", None),
-        )
-        fields = drafter_sizes(tc, hidden, {**fields, **overrides})
-        if "target_layer_ids" not in overrides:
-            fields["target_layer_ids"] = None  # recomputed from num_target_layers
-        drafter = cls(DFlash2Config(**fields))
+        drafter = cls(DFlash2Config(**drafter_fields_for_target(target, overrides)))
         param = next(target.parameters())
         rotary = dict(drafter.rotary_emb.named_buffers())  # float32: a cast to bf16 would round them
         drafter.to(device=param.device, dtype=dtype or param.dtype)
@@ -570,21 +521,8 @@ class DFlash2DraftModel(DFlash2PreTrainedModel):
                 passed here that leaves them unused is the caller's choice and only warns), or a local folder has
                 no ``config.json``.
         """
-        from .hub import is_local_path
-
         path = os.fspath(pretrained_model_name_or_path)
-        if not os.path.exists(path) and is_local_path(path):
-            raise FileNotFoundError(
-                f"No drafter folder at {path!r}. Pass an existing folder or a Hub id (org/name), build an untrained "
-                "one with DFlash2DraftModel.from_target(target) (CLI: --drafter fresh), or train one (dflash2 train)."
-            )
-        if os.path.isdir(path) and kwargs.get("config") is None and not os.path.isfile(os.path.join(path, "config.json")):
-            # transformers would fall back to a default config and then report the weights as mis-shaped
-            raise CheckpointError(
-                f"No config.json in the drafter folder {path!r}: the weights cannot be read without the architecture "
-                "they were saved with. Copy the config.json that came with these weights into the folder, pass "
-                "config=DFlash2Config(...), or re-save the drafter with save_pretrained."
-            )
+        check_folder(path, config_passed=kwargs.get("config") is not None)
         want_info = kwargs.pop("output_loading_info", False)
         kwargs["ignore_mismatched_sizes"] = True  # report mismatches by name below (refused whatever this says)
         try:
@@ -592,15 +530,13 @@ class DFlash2DraftModel(DFlash2PreTrainedModel):
         except (SafetensorError, OSError, ValueError, RuntimeError) as err:
             if isinstance(err, (DrafterTargetMismatchError, CheckpointError)):
                 raise
-            text = str(err)
-            if isinstance(err, SafetensorError) or any(
-                s in text.lower() for s in ("deserializ", "header too", "incomplete metadata", "unexpected end")
-            ):
-                raise CheckpointError(
-                    f"Could not read the drafter weights in {os.fspath(pretrained_model_name_or_path)!r}: {text}. "
-                    "The file is truncated or corrupt: download or save the drafter again."
-                ) from err
-            raise
+            error = unreadable_weights_error(err, path)
+            if error is None:
+                raise
+            raise error from err
         check_loaded(model, info, path, overridden=kwargs.get("config") is not None or any(
             k in DFlash2Config.__dataclass_fields__ for k in kwargs), config_passed=kwargs.get("config") is not None)
         return (model, info) if want_info else model
+
+
+__all__ = ["DFlash2DraftModel", "DFlash2PreTrainedModel", "CandidateSelector", "GroupedDynamicCausalConv"]

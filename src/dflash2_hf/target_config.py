@@ -1,4 +1,5 @@
-"""Reads a target's sizes from its config, whatever names its architecture uses (for ``from_target``/``check_target``).
+"""Reads a target's sizes from its config, whatever names its architecture uses (for ``from_target``/``check_target``:
+:func:`drafter_fields_for_target`, :func:`target_mismatches`).
 
 Causal LMs name the same quantity differently: GPT-2 ``n_embd``/``n_inner``/``n_positions``, OPT ``ffn_dim``, Falcon
 ``ffn_hidden_size`` (or nothing: ``4 * hidden``), Bloom no position limit at all (ALiBi), MPT ``d_model``/
@@ -160,3 +161,71 @@ __all__ = [
     "target_hidden_size",
     "text_config",
 ]
+
+
+def drafter_fields_for_target(target, overrides: dict) -> dict:
+    """DFlash2Config fields of a fresh drafter sized for ``target`` (``DFlash2DraftModel.from_target``).
+
+    The drafter's width is the target's embedding width; the ``mask_token_id`` is pad, else unk (unless it is an
+    EOS id), else the last id; the embedding scale and logit soft-capping are the target's. ``overrides`` win.
+
+    Raises:
+        TargetConfigError: the LM head reads another width than the embeddings give, or (from :func:`drafter_sizes`)
+            the config names no head or layer count.
+    """
+    tc = text_config(target)
+    hidden = target.get_input_embeddings().weight.shape[1]  # the block embeddings' width = the drafter's
+    head = target.get_output_embeddings().weight
+    if head.shape[1] != hidden:
+        raise TargetConfigError(
+            f"The target's LM head reads width {head.shape[1]} but its embeddings have width {hidden} (a projection "
+            "between them): a DFlash2 drafter feeds both the same hidden state, so it cannot serve this target."
+        )
+    vocab = head.shape[0]
+    eos = getattr(tc, "eos_token_id", None)
+    eos = eos if isinstance(eos, list) else [eos]
+    mask_token_id = next(
+        (
+            i
+            for i in (getattr(tc, "pad_token_id", None), getattr(tc, "unk_token_id", None))
+            if isinstance(i, int) and 0 <= i < vocab and i not in eos
+        ),
+        vocab - 1,
+    )
+    fields = dict(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        num_hidden_layers=5,
+        mask_token_id=mask_token_id,
+        input_embedding_scale=float(getattr(target.get_input_embeddings(), "embed_scale", 1.0)),
+        final_logit_softcapping=getattr(tc, "final_logit_softcapping", None),
+        selector_rank=min(256, max(32, hidden // 8)),
+        eos_token_id=getattr(tc, "eos_token_id", None),
+        pad_token_id=getattr(tc, "pad_token_id", None),
+        bos_token_id=getattr(tc, "bos_token_id", None),
+    )
+    fields = drafter_sizes(tc, hidden, {**fields, **overrides})
+    if "target_layer_ids" not in overrides:
+        fields["target_layer_ids"] = None  # recomputed from num_target_layers
+    return fields
+
+
+def target_mismatches(config, target) -> list[str]:
+    """What makes ``target`` another target than the drafter ``config`` was built for (hidden size, vocabulary,
+    layer count; empty when it fits), one readable line each (``DFlash2DraftModel.check_target``)."""
+    tc = text_config(target)
+    problems = []
+    hidden = target_hidden_size(tc, fallback=target.get_input_embeddings().weight.shape[1])
+    if hidden != config.target_hidden_size:
+        problems.append(f"hidden size {hidden} != drafter's target_hidden_size {config.target_hidden_size}")
+    vocab = target.get_output_embeddings().weight.shape[0]
+    if vocab != config.vocab_size:
+        problems.append(f"vocabulary {vocab} != drafter's vocab_size {config.vocab_size}")
+    layers = lookup(tc, "num_target_layers")  # unnamed in the config: from_target took the count as an override
+    layers = config.num_target_layers if layers is None else layers
+    if layers != config.num_target_layers or max(config.target_layer_ids) >= layers:
+        problems.append(
+            f"{layers} layers, drafter expects num_target_layers={config.num_target_layers} "
+            f"with target_layer_ids={list(config.target_layer_ids)}"
+        )
+    return problems

@@ -190,7 +190,7 @@ def markdown(results: dict) -> str:
         + (f" (block size {meta['block_size']})" if meta.get("block_size") else ""),
         f"- {decoding}, max_new_tokens={s['max_new_tokens']}, seed={s['seed']}, "
         f"prompt lookup N={s['prompt_lookup_num_tokens']}",
-        f"- prompts: " + ", ".join(f"{k}: {len(v)}" for k, v in results["prompts"].items()),
+        "- prompts: " + ", ".join(f"{k}: {len(v)}" for k, v in results["prompts"].items()),
         f"- machine: {env['machine']['cpu']} ({env['machine']['cpu_count']} CPUs, torch threads "
         f"{env['machine']['torch_threads']}, device {env['machine']['device']}); torch {env['versions']['torch']}, "
         f"transformers {env['versions']['transformers']}, dflash2_hf {env['versions']['dflash2_hf']}"
