@@ -362,7 +362,8 @@ def test_training_runs_on_a_windowed_published_drafter(tmp_path):
 
 # ------------------------------------------------------------------------------------------------- CLI choices
 def test_train_cli_chooses_the_attention_layout(targets):
-    from dflash2_hf.cli.train import add_arguments, attention_overrides
+    from dflash2_hf.cli.train import add_arguments
+    from dflash2_hf.cli.train_drafter import attention_overrides
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)

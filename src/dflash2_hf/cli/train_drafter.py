@@ -1,0 +1,135 @@
+"""What ``dflash2 train`` trains: the drafter (resumed, ``--init`` or fresh), its draft vocabulary, and the LoRA
+wrapping (``--lora``), each option checked before any expensive work."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from ..errors import CheckpointError
+
+logger = logging.getLogger("dflash2.train")
+
+
+def check_lora_args(args: argparse.Namespace) -> None:
+    """Validates the LoRA options before any work (target load, features).
+
+    Raises:
+        SystemExit: ``--lora`` without ``--init`` (an adapter needs a trained base drafter), LoRA-only options without
+            ``--lora``, ``--lora-modules-lr`` without modules to train in full, or a local ``--lora-init`` folder that
+            is missing or no adapter (``dflash2_hf.lora.check_adapter_folder``'s message).
+    """
+    if not args.lora:
+        if (args.lora_modules_to_save or args.lora_modules_lr is not None or args.lora_init
+                or args.lora_save_dtype != "fp32"):
+            raise SystemExit("--lora-modules-to-save / --lora-modules-lr / --lora-init / --lora-save-dtype shape a LoRA "
+                             "adapter: add --lora (and --init).")
+        return
+    if args.lora_modules_lr is not None and not (args.lora_modules_to_save or args.lora_init):
+        raise SystemExit("--lora-modules-lr sets the rate of --lora-modules-to-save: name those modules too.")
+    if not args.init:
+        raise SystemExit("--lora needs --init PATH_OR_ID: the trained drafter the adapter adapts.")
+    if args.lora_init:
+        from ..hub import is_local_path
+        from ..lora import check_adapter_folder
+
+        if is_local_path(args.lora_init):
+            try:
+                check_adapter_folder(args.lora_init)
+            except (FileNotFoundError, CheckpointError) as err:
+                raise SystemExit(f"--lora-init: {err}") from err
+
+
+def wrap_model(drafter, args: argparse.Namespace):
+    """The module the Trainer optimizes: the drafter, or (``--lora``) a PEFT LoRA model around it (options checked
+    by :func:`check_lora_args`)."""
+    if not args.lora:
+        return drafter
+    from ..lora import add_lora, lora_config
+
+    if args.lora_init:  # go on training an existing adapter (its own rank, targets and modules to save)
+        from ..lora import load_adapter
+
+        return load_adapter(drafter, args.lora_init, is_trainable=True)
+    modules = args.lora_target_modules.split(",") if args.lora_target_modules else None
+    full = args.lora_modules_to_save.split(",") if args.lora_modules_to_save else None
+    return add_lora(drafter, lora_config(args.lora_r, args.lora_alpha, args.lora_dropout, modules, full))
+
+
+def attention_overrides(args: argparse.Namespace) -> dict:
+    """``layer_types`` / ``sliding_window`` / ``is_causal`` of a fresh drafter from ``--layer-types``,
+    ``--sliding-window`` and ``--causal`` (only those given); raises ValueError for bad layer types."""
+    from ..masking import parse_layer_types
+
+    out = {"layer_types": parse_layer_types(args.layer_types, args.num_layers)} if args.layer_types else {}
+    if args.sliding_window is not None:
+        out["sliding_window"] = args.sliding_window
+    if args.causal != "auto":
+        out["is_causal"] = args.causal == "yes"
+    return out
+
+
+def build_drafter(args: argparse.Namespace, target, resume_from: str | None):
+    """The drafter to train: the resumed checkpoint's, ``--init``'s, or a fresh one sized for the target."""
+    import torch
+
+    from .. import DFlash2DraftModel
+
+    if resume_from and not args.lora:  # a LoRA checkpoint holds the adapter only: the base comes from --init
+        drafter = DFlash2DraftModel.from_pretrained(resume_from)
+    elif args.init:
+        drafter = DFlash2DraftModel.from_pretrained(args.init)
+    else:
+        overrides = dict(num_hidden_layers=args.num_layers, block_size=args.block_size)
+        if args.target_layer_ids:
+            overrides["target_layer_ids"] = [int(x) for x in args.target_layer_ids.split(",")]
+        if args.mask_token_id is not None:
+            overrides["mask_token_id"] = args.mask_token_id
+        if args.selector_top_k is not None:
+            overrides["selector_top_k"] = args.selector_top_k
+        if args.selector_rank is not None:
+            overrides["selector_rank"] = args.selector_rank
+        if args.no_conv:
+            overrides["use_local_conv"] = False
+        if args.no_selector:
+            overrides["use_candidate_selector"] = False
+        overrides.update(attention_overrides(args))
+        drafter = DFlash2DraftModel.from_target(target, **overrides)
+        from ..training import initialize_from_target
+
+        initialize_from_target(drafter, target, layers=args.init_layers_from_target,
+                               final_norm=args.init_norm_from_target)
+        if args.init_norm is not None:
+            with torch.no_grad():
+                drafter.norm.weight.fill_(args.init_norm)
+    drafter.check_target(target)
+    return drafter.float().train()
+
+
+def check_draft_vocab_args(args: argparse.Namespace, drafter) -> None:
+    """Validates ``--draft-vocab`` before any feature is computed (see :func:`choose_draft_vocab`)."""
+    if args.draft_vocab is None:
+        return
+    if args.lora:
+        raise ValueError("--draft-vocab cannot be used with --lora: the adapter drafts with its base drafter's "
+                         "vocabulary; choose it when training the base drafter")
+    if not 1 <= args.draft_vocab <= drafter.config.vocab_size:
+        raise ValueError(f"--draft-vocab must be in [1, {drafter.config.vocab_size}] (the target vocabulary), "
+                         f"got {args.draft_vocab}")
+
+
+def choose_draft_vocab(args: argparse.Namespace, drafter, records: list[dict]) -> None:
+    """``--draft-vocab N``: restricts ``drafter`` to the N most frequent response tokens of ``records`` (+ EOS).
+
+    Raises:
+        ValueError: with ``--lora`` (an adapter shares its base drafter's vocabulary), or N outside [1, vocab size].
+    """
+    from ..training.draft_vocab import draft_vocab_coverage, draft_vocab_from_records, eos_ids
+
+    check_draft_vocab_args(args, drafter)
+    old = drafter.draft_vocab_ids
+    ids, coverage = draft_vocab_from_records(records, args.draft_vocab, always=eos_ids(drafter.config))
+    before = 1.0 if old is None else draft_vocab_coverage(old.tolist(), records)
+    drafter.set_draft_vocab(ids)
+    logger.info("--draft-vocab %d: covers %.4f of the training data's response tokens (was %s: %.4f)", ids.numel(),
+                coverage, "the whole vocabulary" if old is None else f"{old.numel()} ids", before)
