@@ -104,7 +104,12 @@ def _stage_text(stage: dict) -> str:
 
 def recipe_text(stages: list[dict], data: list[tuple[Path, str]], base_dir: Path) -> str:
     """The card's recipe: each data folder, then every stage of ``provenance`` in order, then the base drafter."""
-    steps = "".join(f"  {i}. {_stage_text(stage)}\n" for i, stage in enumerate(stages, 1))
+    steps = "".join(
+        f"  {i}. {_stage_text(stage)}"
+        # --lora-init names where the previous adapter lay then: often the very folder this card describes
+        + (f" (its `--lora-init` held stage {i - 1}'s adapter at the time)" if i > 1 and "--lora-init" in stage["argv"]
+           else "") + "\n"
+        for i, stage in enumerate(stages, 1))
     full = any(stage["kind"] != "lora" for stage in stages)
     return (
         "".join(_data_text(folder, note) for folder, note in data)

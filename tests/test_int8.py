@@ -15,7 +15,7 @@ from dflash2_hf.bench import load_drafter
 from dflash2_hf.cli import resolve_drafter_dtype
 from dflash2_hf.errors import UnsupportedGenerationError
 from dflash2_hf.generation import GenerationStats, candidate_generator as cg
-from dflash2_hf.quantization import int8_support, is_int8, quantize_drafter
+from dflash2_hf.quantization import int8_support, is_int8, parameter_count, quantize_drafter
 
 pytestmark = pytest.mark.skipif(not int8_support("cpu")[0], reason="no x86/fbgemm int8 kernels in this torch")
 
@@ -39,6 +39,8 @@ def test_every_linear_of_the_layers_is_int8_and_the_fusion_and_selector_stay_flo
     quantized = [name for name, m in q.named_modules() if isinstance(m, torch.ao.nn.quantized.dynamic.Linear)]
     assert all(n.startswith("layers.") for n in quantized)
     assert len(quantized) == len(q.layers) * (7 + 2)  # q,k,v,o, gate,up,down, 2 convs
+    # the packed int8 weights are no nn.Parameter: parameter_count (the bench's drafter size) still counts them
+    assert sum(p.numel() for p in q.parameters()) < parameter_count(q) == parameter_count(drafter)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3"])

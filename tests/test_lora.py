@@ -218,6 +218,65 @@ def test_bad_adapter_folders_give_clear_errors(targets, tmp_path, caplog):
     assert "cannot check" in caplog.text
 
 
+def test_adapters_damaged_after_saving_are_refused_by_name(targets, tmp_path):
+    """Damage that keeps the files parseable: a broken fingerprint, bytes overwritten in place, a config edited so
+    that it no longer fits (or silently drops) the saved weights."""
+    import json
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from dflash2_hf import CheckpointError
+
+    config = lora_config(r=4, alpha=8, modules_to_save=["mlp_conv"])
+    good = tmp_path / "good"
+    save_adapter(_perturb_adapter_and_return(add_lora(make_drafter(targets["llama"]), config)), good)
+    assert load_adapter(make_drafter(targets["llama"]), good) is not None
+
+    def damaged(name, fn):
+        folder = tmp_path / name
+        shutil.copytree(good, folder)
+        fn(folder)
+        return folder
+
+    broken_json = damaged("json", lambda f: (f / "dflash2_adapter.json").write_text('{"fields": {'))
+    with pytest.raises(CheckpointError, match="dflash2_adapter.json .* is corrupt"):
+        load_adapter(make_drafter(targets["llama"]), broken_json)
+    empty_json = damaged("empty-json", lambda f: (f / "dflash2_adapter.json").write_text("{}"))
+    with pytest.raises(CheckpointError, match='no "fields"'):
+        load_adapter(make_drafter(targets["llama"]), empty_json)
+
+    def nan_weights(folder):
+        tensors = load_file(folder / "adapter_model.safetensors")
+        name = next(k for k in tensors if "lora_A" in k)
+        tensors[name][0, 0] = float("nan")
+        save_file(tensors, folder / "adapter_model.safetensors")
+
+    with pytest.raises(CheckpointError, match="non-finite values in 1 tensors .*lora_A"):
+        load_adapter(make_drafter(targets["llama"]), damaged("nan", nan_weights))
+
+    def edit_config(**changes):
+        def fn(folder):
+            cfg = json.loads((folder / "adapter_config.json").read_text())
+            cfg.update(changes)
+            (folder / "adapter_config.json").write_text(json.dumps(cfg))
+        return fn
+
+    with pytest.raises(CheckpointError, match="do not fit its own adapter_config.json"):
+        load_adapter(make_drafter(targets["llama"]), damaged("rank", edit_config(r=8)))
+    with pytest.raises(CheckpointError, match="have no place in the model .*mlp_conv"):
+        load_adapter(make_drafter(targets["llama"]), damaged("no-save", edit_config(modules_to_save=None)))
+    targets_cfg = json.loads((good / "adapter_config.json").read_text())["target_modules"]
+    renamed = [m + "X" if m == "gate_proj" else m for m in targets_cfg]
+    with pytest.raises(CheckpointError, match="have no place in the model .*gate_proj"):
+        load_adapter(make_drafter(targets["llama"]), damaged("renamed", edit_config(target_modules=renamed)))
+
+
+def _perturb_adapter_and_return(model):
+    _perturb_adapter(model)
+    return model
+
+
 def test_unreachable_hub_adapter_is_a_clear_error_without_the_fingerprint_warning(targets, monkeypatch, caplog):
     import huggingface_hub
     from huggingface_hub.errors import LocalEntryNotFoundError
@@ -289,6 +348,7 @@ def test_ship_adapter_provenance_follows_lora_init_through_a_shipped_adapter(tmp
     assert [s["kind"] for s in provenance(later)] == ["finetune", "extract", "lora", "lora"]
     text = script["recipe_text"](provenance(later), [], Path("base"))
     assert text.index("extraction into an adapter") < text.index("--lora-init " + str(shipped))
+    assert "  4. LoRA training" in text and text.count("held stage 3's adapter at the time") == 1  # only the last
     bare = run_folder("c", ["dflash2", "train", "--lora-init", str(tmp_path / "nothing")],
                       {"lora_init": str(tmp_path / "nothing")})
     with pytest.raises(FileNotFoundError, match="records how it was made in none of"):

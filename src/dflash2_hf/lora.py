@@ -182,13 +182,24 @@ def _stored_fingerprint(adapter_path: str | os.PathLike) -> dict | None:
     path = Path(adapter_path)
     if path.exists():
         stored = path / FINGERPRINT_FILE
-        return json.loads(stored.read_text()) if stored.is_file() else None
-    try:
-        from huggingface_hub import hf_hub_download
+        if not stored.is_file():
+            return None
+    else:
+        try:
+            from huggingface_hub import hf_hub_download
 
-        return json.loads(Path(hf_hub_download(str(adapter_path), FINGERPRINT_FILE)).read_text())
-    except Exception:  # no such file in the repo, offline without a cached copy, not a repo id at all
-        return None
+            stored = Path(hf_hub_download(str(adapter_path), FINGERPRINT_FILE))
+        except Exception:  # no such file in the repo, offline without a cached copy, not a repo id at all
+            return None
+    try:
+        fingerprint = json.loads(stored.read_text())
+        if not isinstance(fingerprint, dict) or not isinstance(fingerprint.get("fields"), dict):
+            raise ValueError('no "fields" object')
+    except ValueError as err:  # json.JSONDecodeError is a ValueError
+        raise CheckpointError(
+            f"{FINGERPRINT_FILE} of the adapter {str(adapter_path)!r} is corrupt ({err}): copy the adapter folder again "
+            "from where it came from, or re-save the adapter with dflash2_hf.lora.save_adapter") from err
+    return fingerprint
 
 
 def check_hub_adapter(repo_id: str) -> None:
@@ -251,7 +262,9 @@ def load_adapter(drafter, adapter_path: str | os.PathLike, is_trainable: bool = 
         AdapterMismatchError: the adapter's fingerprint names another drafter (the differing fields are listed),
             or (``strict``) other base weights of the same shapes, or ``drafter`` already carries LoRA layers.
         FileNotFoundError: a local adapter folder does not exist, or a Hub id has no reachable adapter_config.json.
-        CheckpointError: the folder lacks the adapter files, or they are truncated or corrupt.
+        CheckpointError: the folder lacks the adapter files, or they (or ``dflash2_adapter.json``) are truncated or
+            corrupt; the weights hold non-finite values; ``adapter_config.json`` no longer fits the weights (another
+            rank) or leaves some of them without a place (renamed target modules, emptied ``modules_to_save``).
         UnsupportedGenerationError: ``drafter`` is an int8 drafting copy (merge into the float drafter, then quantize).
 
     An adapter without ``dflash2_adapter.json`` (saved by plain ``peft``) loads with a warning: nothing can be checked.
@@ -297,7 +310,49 @@ def load_adapter(drafter, adapter_path: str | os.PathLike, is_trainable: bool = 
             if strict:
                 raise AdapterMismatchError(message)
             logger.warning(message)
-    return PeftModel.from_pretrained(drafter, str(path), is_trainable=is_trainable)
+    try:
+        model = PeftModel.from_pretrained(drafter, str(path), is_trainable=is_trainable)
+    except RuntimeError as err:
+        if "size mismatch" not in str(err):
+            raise
+        raise CheckpointError(
+            f"The adapter weights in {str(adapter_path)!r} do not fit its own adapter_config.json (its rank or target "
+            f"modules were changed after saving?): {str(err).splitlines()[-1].strip()}. Use the adapter_config.json "
+            "saved with these weights, or save the adapter again.") from err
+    _check_loaded_adapter(model, str(adapter_path), path if is_local_path(adapter_path) else None)
+    return model
+
+
+def _check_loaded_adapter(model: PeftModel, name: str, folder: Path | None) -> None:
+    """Refuses an adapter that loaded without error but drafts from garbage: non-finite values (bytes overwritten in
+    place keep the file's size and header), or weights in the file that its config gave no place to (peft drops
+    them silently, e.g. a module renamed in ``target_modules`` or ``modules_to_save`` emptied by hand).
+
+    Raises:
+        CheckpointError: naming the tensors.
+    """
+    from peft import get_peft_model_state_dict
+
+    loaded = get_peft_model_state_dict(model)
+    bad = [name for name, tensor in loaded.items() if tensor.is_floating_point() and not torch.isfinite(tensor).all()]
+    if bad:
+        raise CheckpointError(
+            f"The adapter {name!r} loaded with non-finite values "
+            f"in {len(bad)} tensors ({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''}): the weight file is "
+            "corrupt. Copy or train the adapter again.")
+    if folder is None:
+        return
+    from safetensors import safe_open
+
+    with safe_open(str(folder / "adapter_model.safetensors"), framework="pt") as f:
+        stored = set(f.keys())
+    dropped = sorted(stored - set(loaded))
+    if dropped:
+        raise CheckpointError(
+            f"{len(dropped)} weights of the adapter in {str(folder)!r} have no place in the model its "
+            f"adapter_config.json describes ({', '.join(dropped[:3])}{', ...' if len(dropped) > 3 else ''}): "
+            "target_modules / modules_to_save were changed after saving. Use the adapter_config.json saved with "
+            "these weights.")
 
 
 def adapter_size_bytes(path: str | os.PathLike) -> int:

@@ -115,6 +115,16 @@ def is_quantized_linear(module) -> bool:
     return isinstance(module, torch.ao.nn.quantized.dynamic.Linear)
 
 
+def parameter_count(model) -> int:
+    """Weights of ``model``, int8 drafting copies included (their packed linear weights are no ``nn.Parameter``)."""
+    count = sum(p.numel() for p in model.parameters())
+    for module in model.modules():
+        if is_quantized_linear(module):
+            weight, bias = module._weight_bias()
+            count += weight.numel() + (bias.numel() if bias is not None else 0)
+    return count
+
+
 def check_int8_drafting(drafter) -> None:
     """Raises :class:`UnsupportedGenerationError` if an int8 drafting copy was moved off the CPU or cast from float32
     after :func:`quantize_drafter` (its int8 kernels take float32 CPU inputs only)."""
@@ -136,4 +146,4 @@ def refuse_int8(drafter, action: str) -> None:
         )
 
 
-__all__ = ["check_int8_drafting", "int8_support", "is_int8", "is_quantized_linear", "quantize_drafter", "quantized_linear", "refuse_int8"]
+__all__ = ["check_int8_drafting", "int8_support", "is_int8", "is_quantized_linear", "parameter_count", "quantize_drafter", "quantized_linear", "refuse_int8"]

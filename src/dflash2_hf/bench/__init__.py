@@ -21,7 +21,7 @@ import os
 
 import torch
 
-from ..quantization import quantize_drafter
+from ..quantization import parameter_count, quantize_drafter
 from .fidelity import annotate_records, calibrate
 from .prompts import Prompt, load_bench_prompts
 from .recorder import ForwardRecorder, per_position_rates
@@ -100,7 +100,7 @@ def run_benchmark(target, drafter, prompts: dict[str, list[Prompt]], settings: B
     meta = dict(meta or {})
     if drafter is not None:
         meta.setdefault("block_size", drafter.config.block_size)
-        meta.setdefault("drafter_parameters", sum(p.numel() for p in drafter.parameters()))
+        meta.setdefault("drafter_parameters", parameter_count(drafter))  # int8 copies: their packed weights too
         meta.setdefault("drafter_config", {k: getattr(drafter.config, k, None) for k in (
             "num_hidden_layers", "hidden_size", "block_size", "target_layer_ids", "use_local_conv",
             "use_candidate_selector", "selector_top_k", "selector_rank", "mask_token_id")})
