@@ -102,14 +102,16 @@ def _stage_text(stage: dict) -> str:
             f"{wall if wall is not None else '?'} s): {cmd}")
 
 
+def _init_note(number: int, stage: dict) -> str:
+    # --lora-init names where the previous stage's adapter lay then: often the very folder the card describes
+    if number > 1 and "--lora-init" in stage["argv"]:
+        return f" (its `--lora-init` held stage {number - 1}'s adapter at the time)"
+    return ""
+
+
 def recipe_text(stages: list[dict], data: list[tuple[Path, str]], base_dir: Path) -> str:
     """The card's recipe: each data folder, then every stage of ``provenance`` in order, then the base drafter."""
-    steps = "".join(
-        f"  {i}. {_stage_text(stage)}"
-        # --lora-init names where the previous adapter lay then: often the very folder this card describes
-        + (f" (its `--lora-init` held stage {i - 1}'s adapter at the time)" if i > 1 and "--lora-init" in stage["argv"]
-           else "") + "\n"
-        for i, stage in enumerate(stages, 1))
+    steps = "".join(f"  {i}. {_stage_text(stage)}{_init_note(i, stage)}\n" for i, stage in enumerate(stages, 1))
     full = any(stage["kind"] != "lora" for stage in stages)
     return (
         "".join(_data_text(folder, note) for folder, note in data)

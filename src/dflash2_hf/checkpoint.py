@@ -57,6 +57,11 @@ def unreadable_weights_error(err: Exception, path: str) -> CheckpointError | Non
     return None
 
 
+def non_finite(named_tensors) -> list[str]:
+    """Names of the floating-point tensors among ``(name, tensor)`` pairs that hold a NaN or an inf."""
+    return [name for name, t in named_tensors if t.is_floating_point() and not torch.isfinite(t).all()]
+
+
 def check_loaded(model, info: dict, path: str, overridden: bool, config_passed: bool) -> None:
     """Raises :class:`CheckpointError` unless ``model`` (just loaded from ``path`` with ``output_loading_info``
     ``info``) is complete and intact.
@@ -84,7 +89,7 @@ def check_loaded(model, info: dict, path: str, overridden: bool, config_passed: 
         )
     if unused:
         logger.warning(f"Ignoring drafter weights the config overrides leave unused: {unused[:8]}")
-    bad = [n for n, p in model.named_parameters() if not torch.isfinite(p).all()]
+    bad = non_finite(model.named_parameters())
     if bad:
         raise CheckpointError(
             f"The drafter checkpoint {path!r} holds non-finite values (NaN/inf) in {bad[:4]}: the file is corrupt "
@@ -134,4 +139,4 @@ def _fc_hint(config, mismatched) -> str:
     )
 
 
-__all__ = ["check_folder", "check_loaded", "unreadable_weights_error"]
+__all__ = ["check_folder", "check_loaded", "non_finite", "unreadable_weights_error"]

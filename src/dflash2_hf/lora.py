@@ -39,6 +39,7 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers.utils import logging
 
+from .checkpoint import non_finite
 from .errors import CheckpointError, DrafterTargetMismatchError
 from .integrity import digest_mismatch, weights_digest
 from .quantization import refuse_int8
@@ -193,12 +194,15 @@ def _stored_fingerprint(adapter_path: str | os.PathLike) -> dict | None:
             return None
     try:
         fingerprint = json.loads(stored.read_text())
-        if not isinstance(fingerprint, dict) or not isinstance(fingerprint.get("fields"), dict):
-            raise ValueError('no "fields" object')
-    except ValueError as err:  # json.JSONDecodeError is a ValueError
+    except json.JSONDecodeError as err:
+        problem = str(err)
+    else:
+        problem = None if isinstance(fingerprint, dict) and isinstance(fingerprint.get("fields"), dict) else \
+            'no "fields" object'
+    if problem:
         raise CheckpointError(
-            f"{FINGERPRINT_FILE} of the adapter {str(adapter_path)!r} is corrupt ({err}): copy the adapter folder again "
-            "from where it came from, or re-save the adapter with dflash2_hf.lora.save_adapter") from err
+            f"{FINGERPRINT_FILE} of the adapter {str(adapter_path)!r} is corrupt ({problem}): copy the adapter folder "
+            "again from where it came from, or re-save the adapter with dflash2_hf.lora.save_adapter")
     return fingerprint
 
 
@@ -282,7 +286,8 @@ def load_adapter(drafter, adapter_path: str | os.PathLike, is_trainable: bool = 
             f"Cannot load {str(adapter_path)!r}: this drafter already carries a LoRA adapter (load_adapter injects "
             "its layers into the drafter in place). Load the adapter on a freshly loaded base drafter "
             "(DFlash2DraftModel.from_pretrained(...)), or call merge_and_unload() on the adapted model first.")
-    if is_local_path(adapter_path):
+    local = is_local_path(adapter_path)
+    if local:
         check_adapter_folder(path)
     else:
         check_hub_adapter(str(adapter_path))
@@ -319,11 +324,11 @@ def load_adapter(drafter, adapter_path: str | os.PathLike, is_trainable: bool = 
             f"The adapter weights in {str(adapter_path)!r} do not fit its own adapter_config.json (its rank or target "
             f"modules were changed after saving?): {str(err).splitlines()[-1].strip()}. Use the adapter_config.json "
             "saved with these weights, or save the adapter again.") from err
-    _check_loaded_adapter(model, str(adapter_path), path if is_local_path(adapter_path) else None)
+    _check_loaded_adapter(model, str(adapter_path), path if local else None)
     return model
 
 
-def _check_loaded_adapter(model: PeftModel, name: str, folder: Path | None) -> None:
+def _check_loaded_adapter(model: PeftModel, source: str, folder: Path | None) -> None:
     """Refuses an adapter that loaded without error but drafts from garbage: non-finite values (bytes overwritten in
     place keep the file's size and header), or weights in the file that its config gave no place to (peft drops
     them silently, e.g. a module renamed in ``target_modules`` or ``modules_to_save`` emptied by hand).
@@ -334,10 +339,10 @@ def _check_loaded_adapter(model: PeftModel, name: str, folder: Path | None) -> N
     from peft import get_peft_model_state_dict
 
     loaded = get_peft_model_state_dict(model)
-    bad = [name for name, tensor in loaded.items() if tensor.is_floating_point() and not torch.isfinite(tensor).all()]
+    bad = non_finite(loaded.items())
     if bad:
         raise CheckpointError(
-            f"The adapter {name!r} loaded with non-finite values "
+            f"The adapter {source!r} loaded with non-finite values "
             f"in {len(bad)} tensors ({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''}): the weight file is "
             "corrupt. Copy or train the adapter again.")
     if folder is None:

@@ -120,8 +120,8 @@ def parameter_count(model) -> int:
     count = sum(p.numel() for p in model.parameters())
     for module in model.modules():
         if is_quantized_linear(module):
-            weight, bias = module._weight_bias()
-            count += weight.numel() + (bias.numel() if bias is not None else 0)
+            bias = module.bias()
+            count += module.weight().numel() + (bias.numel() if bias is not None else 0)
     return count
 
 
