@@ -25,7 +25,8 @@ def check_folder(path: str, config_passed: bool) -> None:
     Raises:
         FileNotFoundError: ``path`` looks local (not an ``org/name`` Hub id) and does not exist.
         CheckpointError: a folder without ``config.json`` and no ``config=`` passed (``transformers`` would fall back
-            to a default config and then report every weight as mis-shaped).
+            to a default config and then report every weight as mis-shaped), or one whose config is another kind of
+            model (a Llama target, say), before ``transformers`` prints its load report.
     """
     from .hub import is_local_path
 
@@ -34,12 +35,39 @@ def check_folder(path: str, config_passed: bool) -> None:
             f"No drafter folder at {path!r}. Pass an existing folder or a Hub id (org/name), build an untrained "
             "one with DFlash2DraftModel.from_target(target) (CLI: --drafter fresh), or train one (dflash2 train)."
         )
+    config_file = os.path.join(path, "config.json")
+    if os.path.isdir(path) and not config_passed and os.path.isfile(config_file):
+        _refuse_other_model(path, config_file)
     if os.path.isdir(path) and not config_passed and not os.path.isfile(os.path.join(path, "config.json")):
         raise CheckpointError(
             f"No config.json in the drafter folder {path!r}: the weights cannot be read without the architecture "
             "they were saved with. Copy the config.json that came with these weights into the folder, pass "
             "config=DFlash2Config(...), or re-save the drafter with save_pretrained."
         )
+
+
+def _refuse_other_model(path: str, config_file: str) -> None:
+    """A folder whose ``config.json`` is neither ours (``model_type: "dflash2"``) nor the published DFlash format
+    (a ``dflash_config`` dict, or ``architectures`` naming a DFlash drafter) is another model: say which."""
+    import json
+
+    try:
+        with open(config_file) as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return  # unreadable: transformers' own error names the file
+    if not isinstance(config, dict):
+        return
+    architectures = config.get("architectures") or []
+    if (config.get("model_type") == "dflash2" or "dflash_config" in config
+            or any(str(a).startswith(("DFlash", "DFlash2")) for a in architectures)):
+        return
+    kind = config.get("model_type") or (architectures[0] if architectures else "unknown")
+    raise CheckpointError(
+        f"{path!r}: this is a {kind} model, not a dflash2 drafter (config.json: model_type "
+        f"{config.get('model_type')!r}, no dflash_config). Load it as the target (AutoModelForCausalLM.from_pretrained), and pass a "
+        "drafter folder here, or build one for it with DFlash2DraftModel.from_target(target)."
+    )
 
 
 def unreadable_weights_error(err: Exception, path: str) -> CheckpointError | None:

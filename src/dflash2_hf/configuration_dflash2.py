@@ -15,11 +15,15 @@ from __future__ import annotations
 
 from typing import Any
 
+import functools
+
 from huggingface_hub.dataclasses import strict
+from huggingface_hub.errors import StrictDataclassError
 from transformers import PreTrainedConfig
 from transformers.activations import ACT2FN
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from .errors import DFlash2Error, DrafterConfigError
 from .masking import SLIDING_ATTENTION, check_layer_types
 from .published import published_target_layer_ids, to_published, translate_published
 
@@ -30,6 +34,10 @@ _INT_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_lay
                "max_position_embeddings", "num_target_layers", "block_size", "mask_token_id", "conv_kernel_size",
                "conv_group_size", "selector_top_k", "selector_rank")
 _OPTIONAL_INT_FIELDS = ("num_key_value_heads", "head_dim", "target_hidden_size", "draft_vocab_size", "sliding_window")
+# Counts and sizes that must be at least 1 (num_hidden_layers=-1 would build a drafter with no layers).
+_POSITIVE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                    "max_position_embeddings", "num_target_layers", "conv_kernel_size", "conv_group_size",
+                    "selector_top_k", "selector_rank")
 # Keys of a default rope dict; any other (factor, ...) means a scaling whose rope type was left out.
 _DEFAULT_ROPE_KEYS = {"rope_type", "type", "rope_theta"}
 
@@ -222,6 +230,9 @@ class DFlash2Config(PreTrainedConfig):
             if not (_is_int(value) or (value is None and name in _OPTIONAL_INT_FIELDS)):
                 raise ValueError(f"{name}={value!r} must be an integer, got {type(value).__name__}: write it as a "
                                  "JSON number without quotes or decimals.")
+        small = [f"{name}={getattr(self, name)}" for name in _POSITIVE_FIELDS if getattr(self, name) < 1]
+        if small:
+            raise ValueError(f"{', '.join(small)}: must be >= 1 (a count or a size).")
         ids = self.target_layer_ids
         if ids is not None and not (isinstance(ids, (list, tuple)) and all(_is_int(i) for i in ids)):
             raise ValueError(f"target_layer_ids={ids!r} must be a list of integer target-layer indices, e.g. "
@@ -316,6 +327,29 @@ class DFlash2Config(PreTrainedConfig):
                 that contradict each other.
         """
         return translate_published(config_dict, set(DFlash2Config.__dataclass_fields__))
+
+
+def _our_errors(method):
+    """``method`` of DFlash2Config raising :class:`DrafterConfigError` (a ``ValueError``) for an invalid value, instead of
+    huggingface_hub's ``StrictDataclassClassValidationError`` wrapping our message (``@strict`` runs the
+    ``validate_*`` methods on init and on save)."""
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        try:
+            return method(self, *args, **kwargs)
+        except DFlash2Error:
+            raise
+        except (StrictDataclassError, ValueError, TypeError) as err:
+            cause = err.__cause__ if isinstance(err, StrictDataclassError) and err.__cause__ is not None else err
+            raise DrafterConfigError(f"DFlash2Config: {cause}") from err
+
+    wrapper.__is_defined_by_strict_decorator__ = True  # lets @strict subclasses override validate() as usual
+    return wrapper
+
+
+DFlash2Config.__init__ = _our_errors(DFlash2Config.__init__)
+DFlash2Config.validate = _our_errors(DFlash2Config.validate)
 
 
 __all__ = ["DFlash2Config", "default_target_layer_ids", "published_target_layer_ids"]

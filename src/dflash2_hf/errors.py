@@ -23,3 +23,15 @@ class UnsupportedTransformersVersionError(DFlash2Error, RuntimeError):
 
 class UnsupportedGenerationError(DFlash2Error, ValueError):
     """A generate() setting the DFlash2 path cannot serve (e.g. batch size > 1, beam search)."""
+
+
+class DrafterConfigError(DFlash2Error, ValueError):
+    """A drafter setting out of range or of the wrong kind (a ``DFlash2Config`` value, a ``from_target`` override)."""
+
+
+class DrafterArgumentTypeError(DFlash2Error, TypeError):
+    """An argument of the wrong kind (e.g. a model id or a config where a loaded model belongs)."""
+
+
+class ShippedDrafterNotFoundError(DFlash2Error, FileNotFoundError):
+    """A shipped drafter was named but its folder (the repository's ``model_cards/``) is not on this machine."""

@@ -39,7 +39,7 @@ from .errors import CheckpointError, DrafterTargetMismatchError, UnsupportedGene
 from .integrity import weights_digest
 from .masking import AttentionMasks, drafter_cache, layer_attention
 from .quantization import is_quantized_linear, refuse_int8
-from .target_config import drafter_fields_for_target, target_mismatches
+from .target_config import check_from_target_arguments, drafter_fields_for_target, target_mismatches
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -441,19 +441,24 @@ class DFlash2DraftModel(DFlash2PreTrainedModel):
         for ALiBi targets); ``overrides`` win over what the target's config says.
 
         Args:
-            dtype: the drafter's dtype (default: the target's); its rotary frequencies stay float32 whatever it is,
+            dtype: the drafter's dtype (default: the target's), a torch.dtype or a name (``"bfloat16"``, ``"bf16"``,
+                ``"float32"``, ...); its rotary frequencies stay float32 whatever it is,
                 as ``from_pretrained(..., dtype=...)`` leaves them.
 
         Returns:
             a drafter on the target's device.
 
         Raises:
-            TargetConfigError: the target's config names no attention-head or layer count (pass
+            DrafterArgumentTypeError: ``target`` is not a loaded model (a Hub id, a config) or ``dtype`` no dtype.
+            DrafterConfigError: an override that is not a DFlash2Config field, or a value out of range
+                (``num_hidden_layers=-1``).
+            TargetConfigError: a base model without an LM head, or the target's config names no attention-head or layer count (pass
                 ``num_attention_heads=`` / ``num_target_layers=``), or its LM head reads another width than its
                 embeddings give.
             UnsupportedGenerationError: a stateful (recurrent) target (Mamba, RWKV, RecurrentGemma, Jamba, ...),
                 which assisted decoding cannot serve.
         """
+        dtype = check_from_target_arguments(target, dtype, overrides)
         if getattr(target, "_is_stateful", False):
             raise UnsupportedGenerationError(
                 f"{type(target).__name__} is a stateful (recurrent) model: stateful targets (Mamba, RWKV, "

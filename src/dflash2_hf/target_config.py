@@ -14,7 +14,13 @@ from __future__ import annotations
 from transformers.activations import ACT2FN
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from .errors import TargetConfigError
+from .errors import DrafterArgumentTypeError, DrafterConfigError, TargetConfigError
+
+# dtype spellings ``from_target(..., dtype=...)`` accepts besides a torch.dtype.
+DTYPE_NAMES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
+               "float16": "float16", "fp16": "float16", "half": "float16"}
+# Keyword arguments DFlash2Config takes that are not dataclass fields (legacy rope spellings).
+_LEGACY_CONFIG_KEYS = ("rope_theta", "rope_scaling")
 
 # DFlash2Config field -> the target config names that hold it, most specific first.
 NAMES = {
@@ -117,7 +123,8 @@ def drafter_sizes(config, hidden_size: int, overrides: dict | None = None) -> di
         num_key_value_heads=kv_heads,
         head_dim=head_dim,
         intermediate_size=lookup(config, "intermediate_size") or _mlp_width(config, hidden_size),
-        max_position_embeddings=lookup(config, "max_position_embeddings") or DEFAULT_MAX_POSITIONS,
+        # 0 / None / a negative "no limit" marker (some configs write -1) -> our default
+        max_position_embeddings=max(lookup(config, "max_position_embeddings") or 0, 0) or DEFAULT_MAX_POSITIONS,
         hidden_act=act if isinstance(act, str) and act in ACT2FN else "silu",
         rms_norm_eps=float(eps) if isinstance(eps, (int, float)) else 1e-6,
         rope_parameters=rope_parameters(config),
@@ -161,6 +168,63 @@ __all__ = [
     "target_hidden_size",
     "text_config",
 ]
+
+
+def check_from_target_arguments(target, dtype, overrides: dict):
+    """Checks what ``DFlash2DraftModel.from_target`` was given, before anything is built; returns the torch dtype
+    (``None``: the target's) for ``dtype`` given as a ``torch.dtype`` or a name (``"bfloat16"``, ``"bf16"``, ...).
+
+    Raises:
+        DrafterArgumentTypeError: ``target`` is not a loaded model (a Hub id, a path, a config), or ``dtype`` is
+            neither a torch.dtype nor a string.
+        DrafterConfigError: an override that is not a DFlash2Config field (with the closest field name), or an
+            unknown dtype name.
+        TargetConfigError: a base model without an LM head (``LlamaModel`` instead of ``LlamaForCausalLM``).
+    """
+    import difflib
+
+    import torch
+    from transformers import PretrainedConfig, PreTrainedModel
+
+    from .configuration_dflash2 import DFlash2Config
+
+    if isinstance(target, (str, bytes)) or hasattr(target, "__fspath__"):
+        raise DrafterArgumentTypeError(
+            f"from_target needs the loaded target model, got the string {str(target)!r}: load it first, e.g. "
+            "target = AutoModelForCausalLM.from_pretrained(name), then DFlash2DraftModel.from_target(target)."
+        )
+    if isinstance(target, PretrainedConfig):
+        raise DrafterArgumentTypeError(
+            f"from_target needs the loaded target model, got a {type(target).__name__}: the drafter reads the "
+            "target's embedding and LM-head weights too; pass AutoModelForCausalLM.from_config(config) or a loaded model."
+        )
+    if not isinstance(target, PreTrainedModel):
+        raise DrafterArgumentTypeError(
+            f"from_target needs a transformers causal LM (a PreTrainedModel), got {type(target).__name__}."
+        )
+    if target.get_output_embeddings() is None:
+        raise TargetConfigError(
+            f"{type(target).__name__} has no LM head (a base model): the drafter's proposals are scored by the "
+            "target's LM head. Load the causal-LM class instead (AutoModelForCausalLM.from_pretrained(...))."
+        )
+    known = set(DFlash2Config.__dataclass_fields__) | set(_LEGACY_CONFIG_KEYS)
+    for name in overrides:
+        if name not in known:
+            close = difflib.get_close_matches(name, sorted(known), n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise DrafterConfigError(
+                f"from_target: unknown override {name!r}{hint}; overrides must be DFlash2Config fields."
+            )
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    if not isinstance(dtype, str):
+        raise DrafterArgumentTypeError(f"from_target: dtype must be a torch.dtype or a name such as 'bfloat16', "
+                                       f"got {type(dtype).__name__}.")
+    name = DTYPE_NAMES.get(dtype.removeprefix("torch.").lower())
+    if name is None:
+        raise DrafterConfigError(f"from_target: unknown dtype {dtype!r}; use one of {sorted(DTYPE_NAMES)} or a "
+                                 "torch.dtype (None: the target's).")
+    return getattr(torch, name)
 
 
 def drafter_fields_for_target(target, overrides: dict) -> dict:
