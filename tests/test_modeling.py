@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash2_hf import GroupedDynamicCausalConv
+from dflash2_hf.modeling_dflash2 import GroupedDynamicCausalConv
 
 
 def _reference_mix(conv: GroupedDynamicCausalConv, x: torch.Tensor, side: int) -> torch.Tensor:

@@ -7,18 +7,22 @@
 
 from transformers import AutoConfig, AutoModel
 
-from . import generation
-from .configuration_dflash2 import DFlash2Config, default_target_layer_ids
+from . import errors, generation
+from .configuration_dflash2 import DFlash2Config
 from .errors import (
     CheckpointError,
     DFlash2Error,
+    DrafterArgumentTypeError,
+    DrafterConfigError,
     DrafterTargetMismatchError,
+    ShippedDrafterNotFoundError,
     TargetConfigError,
     UnsupportedGenerationError,
     UnsupportedTransformersVersionError,
 )
-from .generation import GenerationStats, drafting_dtype, drafting_precision, target_dtype
-from .modeling_dflash2 import CandidateSelector, DFlash2DraftModel, GroupedDynamicCausalConv
+from .generation import GenerationStats, dflash2_generate, drafting_dtype, drafting_precision, target_dtype
+from .modeling_dflash2 import DFlash2DraftModel
+from .shipped import shipped_drafter_path
 
 __version__ = "0.1.0"
 
@@ -26,20 +30,55 @@ AutoConfig.register(DFlash2Config.model_type, DFlash2Config, exist_ok=True)
 AutoModel.register(DFlash2Config, DFlash2DraftModel, exist_ok=True)
 generation.install()
 
+# What users call. Internals (CandidateSelector, GroupedDynamicCausalConv, default_target_layer_ids, ...) stay
+# importable from their modules. Names below the line load on first use (peft, the bundled targets): `import
+# dflash2_hf` stays as cheap as the registration allows.
+_LAZY = {
+    "AdapterMismatchError": "lora",
+    "add_lora": "lora",
+    "load_adapter": "lora",
+    "save_adapter": "lora",
+    "load_adapted_drafter": "bench",
+    "quantize_drafter": "quantization",
+    "load_target": "targets",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 __all__ = [
-    "CandidateSelector",
+    "AdapterMismatchError",
     "CheckpointError",
     "DFlash2Config",
     "DFlash2DraftModel",
     "DFlash2Error",
+    "DrafterArgumentTypeError",
+    "DrafterConfigError",
     "DrafterTargetMismatchError",
     "GenerationStats",
-    "GroupedDynamicCausalConv",
+    "ShippedDrafterNotFoundError",
     "TargetConfigError",
     "UnsupportedGenerationError",
     "UnsupportedTransformersVersionError",
-    "default_target_layer_ids",
+    "__version__",
+    "add_lora",
+    "dflash2_generate",
     "drafting_dtype",
     "drafting_precision",
+    "errors",
+    "load_adapted_drafter",
+    "load_adapter",
+    "load_target",
+    "quantize_drafter",
+    "save_adapter",
+    "shipped_drafter_path",
     "target_dtype",
 ]

@@ -37,11 +37,20 @@ HUB_ORG_PLACEHOLDER = "YOUR_ORG"
 
 def is_local_path(name_or_path: str | os.PathLike) -> bool:
     """True when ``name_or_path`` names a local folder rather than a Hub id: it exists, starts with ``.``, ``/`` or
-    ``~``, or its first component is an existing folder (``runs/x`` with a ``runs/`` folder here). A missing local
-    folder can then fail at once with a clear message instead of a Hub lookup (and its retries when offline)."""
+    ``~``, its first component is an existing folder (``runs/x`` with a ``runs/`` folder here), or it is no valid Hub
+    id (``a/b/c``, a trailing ``/``, a backslash). A missing local folder can then fail at once with a clear message
+    instead of a Hub lookup (and its retries when offline)."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
     path = os.fspath(name_or_path)
     first = path.split("/")[0]
-    return os.path.exists(path) or path.startswith((".", "/", "~")) or (first != path and os.path.isdir(first))
+    if os.path.exists(path) or path.startswith((".", "/", "~")) or (first != path and os.path.isdir(first)):
+        return True
+    try:
+        validate_repo_id(path)
+    except HFValidationError:
+        return True
+    return False
 
 _TEMPLATE = """
 # {title}

@@ -257,7 +257,8 @@ def load_adapter(drafter, adapter_path: str | os.PathLike, is_trainable: bool = 
 
     Args:
         drafter: the base :class:`~dflash2_hf.DFlash2DraftModel` (any dtype).
-        adapter_path: a folder written by :func:`save_adapter` (or ``dflash2 train --lora``).
+        adapter_path: a folder written by :func:`save_adapter` (or ``dflash2 train --lora``), a Hub id, or the
+            shipped adapter's name (``"dflash2-smollm2-135m-instruct-code-lora"``).
         is_trainable: load the adapter for further training.
         strict: refuse an adapter whose base weights digest differs from ``drafter``'s (same shapes, other
             weights). ``False`` only logs a warning.
@@ -277,7 +278,10 @@ def load_adapter(drafter, adapter_path: str | os.PathLike, is_trainable: bool = 
 
     from .hub import is_local_path
 
+    from .shipped import resolve_name_or_path
+
     refuse_int8(drafter, "given a LoRA adapter")
+    adapter_path = resolve_name_or_path(adapter_path)  # a shipped adapter's name from any working directory
     path = Path(adapter_path)
     # peft injects LoRA layers into the drafter in place, so a second call on the same object would see "other
     # base weights"; say what really happened instead.

@@ -39,6 +39,7 @@ from .errors import CheckpointError, DrafterTargetMismatchError, UnsupportedGene
 from .integrity import weights_digest
 from .masking import AttentionMasks, drafter_cache, layer_attention
 from .quantization import is_quantized_linear, refuse_int8
+from .shipped import resolve_name_or_path
 from .target_config import check_from_target_arguments, drafter_fields_for_target, target_mismatches
 
 
@@ -513,8 +514,10 @@ class DFlash2DraftModel(DFlash2PreTrainedModel):
         """``PreTrainedModel.from_pretrained`` that refuses incomplete or corrupt checkpoints.
 
         Loads our format (``model_type: "dflash2"``) and the published DFlash/DFlash2 format (Qwen3 config with
-        ``dflash_config``), from a local folder or a Hub id (resolved by ``huggingface_hub``; offline with
-        ``HF_HUB_OFFLINE=1`` and a populated cache).
+        ``dflash_config``), from a local folder, a shipped drafter's name (``"dflash2-smollm2-135m-instruct"``, from
+        any working directory: :mod:`dflash2_hf.shipped`) or a Hub id (resolved by ``huggingface_hub``; offline with
+        ``HF_HUB_OFFLINE=1`` and a populated cache). A missing path that looks local (``./x``, ``/x``, ``~/x``,
+        ``runs/x`` with a ``runs/`` folder here, ``a/b/c``) is refused at once, without a Hub lookup.
 
         Raises:
             CheckpointError: a weight file is truncated or corrupt (unreadable, non-finite values, or weights that
@@ -524,9 +527,12 @@ class DFlash2DraftModel(DFlash2PreTrainedModel):
                 holds weights its own config does not use (e.g. convolution or selector tensors under a config
                 without ``conv_kernel_size`` / ``selector_rank``; the message names the field; a config override
                 passed here that leaves them unused is the caller's choice and only warns), or a local folder has
-                no ``config.json``.
+                no ``config.json``, or its config is another model's (``this is a llama model, not a dflash2
+                drafter``).
+            FileNotFoundError: a missing local-looking path; :class:`ShippedDrafterNotFoundError` for a shipped name
+                when the repository's ``model_cards/`` is not on this machine.
         """
-        path = os.fspath(pretrained_model_name_or_path)
+        path = pretrained_model_name_or_path = resolve_name_or_path(pretrained_model_name_or_path)
         check_folder(path, config_passed=kwargs.get("config") is not None)
         want_info = kwargs.pop("output_loading_info", False)
         kwargs["ignore_mismatched_sizes"] = True  # report mismatches by name below (refused whatever this says)

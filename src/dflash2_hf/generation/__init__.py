@@ -2,6 +2,7 @@
 
 from .candidate_generator import DFlash2CandidateGenerator, DraftProposal
 from .decoding import dflash2_assisted_decoding
+from .public import dflash2_generate
 from .precision import auto_dtype_label, bf16_support, drafting_dtype, drafting_precision, has_native_bf16, target_dtype
 from .routing import check_transformers_version, install, is_dflash2_drafter
 from .stats import GenerationStats
@@ -14,6 +15,7 @@ __all__ = [
     "bf16_support",
     "check_transformers_version",
     "dflash2_assisted_decoding",
+    "dflash2_generate",
     "drafting_dtype",
     "drafting_precision",
     "has_native_bf16",

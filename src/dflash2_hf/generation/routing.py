@@ -5,7 +5,9 @@ wrap ``GenerationMixin._assisted_decoding`` (the method ``generate()`` looks up 
 wrapper hands the call to :func:`~dflash2_hf.generation.decoding.dflash2_assisted_decoding` only when the assistant is
 a :class:`~dflash2_hf.DFlash2DraftModel` (or a PEFT model around one) and ``speculation_type`` is not ``"dflash"``
 (that is transformers' built-in DFlash path, which our drafter also serves); every other call goes to the original
-method unchanged. The wrapper relies on private internals, so it refuses transformers versions we did not test.
+method unchanged. The wrapper relies on private internals, so it refuses transformers versions we did not test,
+pointing at the public, patch-free path: ``generate(..., custom_generate=dflash2_generate, drafter=draft)``
+(:mod:`.public`).
 """
 
 from __future__ import annotations
@@ -22,6 +24,9 @@ from .decoding import dflash2_assisted_decoding
 
 TESTED_TRANSFORMERS = (Version("5.23.0"), Version("5.25.0"))  # [low, high)
 ALLOW_UNTESTED_ENV = "DFLASH2_ALLOW_UNTESTED_TRANSFORMERS"
+# The patch-free call (transformers' public custom_generate), named in every message about the private routing.
+PUBLIC_PATH = ("target.generate(ids, custom_generate=dflash2_hf.dflash2_generate, drafter=draft) "
+               "(transformers' public custom_generate; docs/generation.md)")
 
 
 def check_transformers_version(version: str | None = None) -> None:
@@ -31,9 +36,10 @@ def check_transformers_version(version: str | None = None) -> None:
     if low <= Version(version) < high or os.environ.get(ALLOW_UNTESTED_ENV) == "1":
         return
     raise UnsupportedTransformersVersionError(
-        f"dflash2-hf's generate() integration was tested with transformers >={low},<{high}; found {version}. "
-        f"Install a tested version (pip install 'transformers>={low},<{high}'), or set {ALLOW_UNTESTED_ENV}=1 "
-        "to try this one at your own risk."
+        f"generate(..., assistant_model=draft) reaches the DFlash2 loop through a private transformers method, "
+        f"tested with transformers >={low},<{high}; found {version}. Use the public path instead: "
+        f"{PUBLIC_PATH}; or install a tested version (pip install 'transformers>={low},<{high}'), or set "
+        f"{ALLOW_UNTESTED_ENV}=1 to try this one at your own risk."
     )
 
 
@@ -46,7 +52,20 @@ def is_dflash2_drafter(model) -> bool:
 
 
 def install() -> None:
-    """Wraps ``GenerationMixin._assisted_decoding`` once (idempotent)."""
+    """Wraps ``GenerationMixin._assisted_decoding`` once (idempotent).
+
+    On a transformers without the private methods it wraps, nothing is patched and a warning names the public path
+    (``import dflash2_hf`` still works; ``generate(..., assistant_model=draft)`` then cannot reach our loop)."""
+    missing = [name for name in ("_assisted_decoding", "_validate_generation_mode") if not hasattr(GenerationMixin, name)]
+    if missing:
+        import warnings
+
+        warnings.warn(
+            f"transformers {transformers.__version__} has no GenerationMixin.{', '.join(missing)}: "
+            f"generate(..., assistant_model=draft) cannot be routed to the DFlash2 loop. Use {PUBLIC_PATH}.",
+            stacklevel=2,
+        )
+        return
     original = GenerationMixin._assisted_decoding
     if getattr(original, "_dflash2_routed", False):
         return

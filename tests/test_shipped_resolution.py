@@ -1,0 +1,78 @@
+"""The shipped drafter resolves from any working directory; a missing local-looking path fails at once (issue 40)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from dflash2_hf import DFlash2DraftModel, shipped_drafter_path
+from dflash2_hf.errors import ShippedDrafterNotFoundError
+from dflash2_hf.hub import is_local_path
+from dflash2_hf.shipped import MODEL_CARDS_ENV, SHIPPED_ADAPTER, SHIPPED_DRAFTER, resolve_name_or_path
+from conftest import make_drafter, make_target
+
+REPO_CARDS = Path(__file__).resolve().parents[1] / "model_cards"
+
+
+def test_shipped_path_is_the_repository_folder():
+    assert Path(shipped_drafter_path()) == REPO_CARDS / SHIPPED_DRAFTER
+    assert Path(shipped_drafter_path(SHIPPED_ADAPTER)) == REPO_CARDS / SHIPPED_ADAPTER
+    with pytest.raises(ValueError, match="not a shipped drafter"):
+        shipped_drafter_path("dflash2-llama-70b")
+
+
+@pytest.mark.parametrize("name", [SHIPPED_DRAFTER, f"model_cards/{SHIPPED_DRAFTER}", f"./model_cards/{SHIPPED_DRAFTER}/"])
+def test_shipped_drafter_loads_from_another_folder(tmp_path, monkeypatch, name):
+    monkeypatch.chdir(tmp_path)
+    drafter = DFlash2DraftModel.from_pretrained(name)
+    assert drafter.config.block_size == 8 and drafter.config.hidden_size == 576
+
+
+def test_an_existing_relative_folder_wins_over_the_shipped_name(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    make_drafter(make_target("llama")).save_pretrained(SHIPPED_DRAFTER)  # a folder of that name here
+    assert resolve_name_or_path(SHIPPED_DRAFTER) == SHIPPED_DRAFTER
+    assert DFlash2DraftModel.from_pretrained(SHIPPED_DRAFTER).config.hidden_size == 64
+
+
+@pytest.mark.parametrize("path", ["./missing", "../missing/drafter", "/no/such/drafter", "~/no-such-drafter",
+                                  "runs/a/b", "a\\b", "runs/"])
+def test_missing_local_looking_paths_fail_at_once(tmp_path, monkeypatch, path):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)  # no offline shortcut: the check itself must not reach out
+    assert is_local_path(path)
+    start = time.perf_counter()
+    with pytest.raises(FileNotFoundError, match="No drafter folder at"):
+        DFlash2DraftModel.from_pretrained(path)
+    assert time.perf_counter() - start < 1.0
+
+
+def test_hub_ids_stay_hub_ids(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for hub_id in ("org/name", "gpt2", "my-org/dflash2-smollm2-135m-instruct"):
+        assert not is_local_path(hub_id) and resolve_name_or_path(hub_id) == hub_id
+
+
+def test_without_model_cards_the_error_says_what_to_do(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv(MODEL_CARDS_ENV, str(tmp_path / "empty"))
+    with pytest.raises(ShippedDrafterNotFoundError, match=f"pip install -e .*{MODEL_CARDS_ENV}") as err:
+        DFlash2DraftModel.from_pretrained(SHIPPED_DRAFTER)
+    assert isinstance(err.value, FileNotFoundError)
+
+
+def test_model_cards_env_points_elsewhere(tmp_path, monkeypatch):
+    make_drafter(make_target("llama")).save_pretrained(tmp_path / SHIPPED_DRAFTER)
+    monkeypatch.setenv(MODEL_CARDS_ENV, str(tmp_path))
+    assert shipped_drafter_path() == str(tmp_path / SHIPPED_DRAFTER)
+
+
+def test_cli_default_drafter_resolves_from_any_folder(tmp_path, monkeypatch):
+    from dflash2_hf.cli import build_parser
+
+    monkeypatch.chdir(tmp_path)
+    for command in (["demo"], ["generate", "--prompt", "hi"]):
+        args = build_parser().parse_args(command)
+        assert Path(resolve_name_or_path(args.drafter)) == REPO_CARDS / SHIPPED_DRAFTER
