@@ -18,7 +18,7 @@ from dflash2_hf.training.draft_vocab import draft_vocab_from_records, eos_ids
 from test_data import _tiny_tokenizer, tiny_chat_target_folder
 
 
-def test_prepare_train_lora_generate(tmp_path, monkeypatch):
+def test_prepare_train_lora_generate(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("DFLASH2_CACHE", str(tmp_path / "cache"))
     tok = _tiny_tokenizer()
     t = tiny_chat_target_folder(tmp_path / "target")
@@ -30,20 +30,20 @@ def test_prepare_train_lora_generate(tmp_path, monkeypatch):
     assert meta["counts"]["kept"] > 0
 
     common = ["--target", t, "--data", str(tmp_path / "data"), "--num-blocks", "4", "--save-steps", "1000",
-              "--logging-steps", "5", "--no-progress", "--max-length", "2048"]
-    assert main(["train", *common, "--output", str(tmp_path / "drafter"), "--num-layers", "2", "--block-size", "4",
+              "--logging-steps", "5", "--disable-tqdm", "true", "--max-length", "2048"]
+    assert main(["train", *common, "--output-dir", str(tmp_path / "drafter"), "--num-layers", "2", "--block-size", "4",
                  "--max-steps", "6"]) == 0
     drafter = DFlash2DraftModel.from_pretrained(tmp_path / "drafter")
     assert drafter.config.block_size == 4 and drafter.config.num_hidden_layers == 2
 
-    assert main(["train", *common, "--output", str(tmp_path / "adapter"), "--init", str(tmp_path / "drafter"),
+    assert main(["train", *common, "--output-dir", str(tmp_path / "adapter"), "--init", str(tmp_path / "drafter"),
                  "--lora", "--lora-r", "4", "--max-steps", "6"]) == 0
     files = {p.name for p in (tmp_path / "adapter").iterdir()}
     assert {"adapter_model.safetensors", "adapter_config.json", "dflash2_adapter.json"} <= files
     assert "model.safetensors" not in files  # only the adapter is saved
 
     # --draft-vocab re-chooses the draft vocabulary of an --init drafter from the training data (most frequent first)
-    assert main(["train", *common, "--output", str(tmp_path / "vocab"), "--init", str(tmp_path / "drafter"),
+    assert main(["train", *common, "--output-dir", str(tmp_path / "vocab"), "--init", str(tmp_path / "drafter"),
                  "--draft-vocab", "6", "--max-steps", "2"]) == 0
     revocab = DFlash2DraftModel.from_pretrained(tmp_path / "vocab")
     expected, _ = draft_vocab_from_records(load_training_records(str(tmp_path / "data")), 6,
@@ -55,7 +55,7 @@ def test_prepare_train_lora_generate(tmp_path, monkeypatch):
                        target.generate(ids, assistant_model=revocab, max_new_tokens=10, do_sample=False))
     for bad in (["--lora"], []):  # an adapter cannot change its base's vocabulary; a size past the vocabulary
         size = "20" if bad else str(revocab.config.vocab_size + 1)
-        assert main(["train", *common, "--output", str(tmp_path / "bad"), "--init", str(tmp_path / "drafter"),
+        assert main(["train", *common, "--output-dir", str(tmp_path / "bad"), "--init", str(tmp_path / "drafter"),
                      "--draft-vocab", size, "--max-steps", "1", *bad]) == 2
     assert not (tmp_path / "bad").exists()  # refused before any work
 
@@ -111,7 +111,7 @@ def test_prepare_train_lora_generate(tmp_path, monkeypatch):
     kept = code_meta["counts"]["kept"]
     assert kept >= 2
     code_common = [*common[:2], "--data", str(tmp_path / "code"), *common[4:6], *common[8:]]
-    assert main(["train", *code_common, "--output", str(tmp_path / "code-lora"), "--init", str(tmp_path / "drafter"),
+    assert main(["train", *code_common, "--output-dir", str(tmp_path / "code-lora"), "--init", str(tmp_path / "drafter"),
                  "--lora", "--only-code", "--max-steps", "2", "--save-steps", "1",
                  "--lora-modules-to-save", "attention_conv,mlp_conv", "--lora-modules-lr", "1e-5"]) == 0
     assert json.load(open(tmp_path / "code-lora" / "training_summary.json"))["sequences"] == kept
@@ -120,19 +120,20 @@ def test_prepare_train_lora_generate(tmp_path, monkeypatch):
     groups = torch.load(tmp_path / "code-lora" / "checkpoint-1" / "optimizer.pt", weights_only=False)["param_groups"]
     assert sorted({g["initial_lr"] for g in groups if g["params"]}) == [1e-5, 6e-4]
     # --lora-init goes on training that adapter (its modules to save included) instead of a fresh one
-    assert main(["train", *code_common, "--output", str(tmp_path / "code-lora2"), "--init", str(tmp_path / "drafter"),
-                 "--lora", "--lora-init", str(tmp_path / "code-lora"), "--only-code", "--max-steps", "3", "--warmup", "0",
+    assert main(["train", *code_common, "--output-dir", str(tmp_path / "code-lora2"), "--init", str(tmp_path / "drafter"),
+                 "--lora", "--lora-init", str(tmp_path / "code-lora"), "--only-code", "--max-steps", "3", "--warmup-steps", "0",
                  "--lora-save-dtype", "bf16"]) == 0
     first = load_file(tmp_path / "code-lora" / "adapter_model.safetensors")
     second = load_file(tmp_path / "code-lora2" / "adapter_model.safetensors")
     assert first.keys() == second.keys() and any(not torch.equal(first[k], second[k].float()) for k in first)
     assert {v.dtype for v in first.values()} == {torch.float32} and {v.dtype for v in second.values()} == {torch.bfloat16}
-    with pytest.raises(SystemExit, match="add --lora"):  # without --lora: refused
-        main(["train", *code_common, "--output", str(tmp_path / "bad"), "--lora-init", str(tmp_path / "code-lora"),
-              "--max-steps", "1"])
-    with pytest.raises(SystemExit, match="--lora-init: adapter folder"):  # no such adapter
-        main(["train", *code_common, "--output", str(tmp_path / "bad"), "--init", str(tmp_path / "drafter"), "--lora",
-              "--lora-init", str(tmp_path / "nothing"), "--max-steps", "1"])
+    capsys.readouterr()
+    assert main(["train", *code_common, "--output-dir", str(tmp_path / "bad"), "--lora-init",  # without --lora
+                 str(tmp_path / "code-lora"), "--max-steps", "1"]) == 2
+    assert "add --lora" in capsys.readouterr().err
+    assert main(["train", *code_common, "--output-dir", str(tmp_path / "bad"), "--init", str(tmp_path / "drafter"),
+                 "--lora", "--lora-init", str(tmp_path / "nothing"), "--max-steps", "1"]) == 2  # no such adapter
+    assert "--lora-init: adapter folder" in capsys.readouterr().err
     assert not (tmp_path / "bad").exists()  # both refused before any work
     assert (tmp_path / "code-lora" / "checkpoint-1" / "dflash2_adapter.json").is_file()  # checkpoints load checked
 
@@ -150,10 +151,10 @@ def test_prepare_train_lora_generate(tmp_path, monkeypatch):
         return out
 
     monkeypatch.setattr(training, "evaluate_blocks", spy)
-    assert main(["train", *code_common, "--output", str(tmp_path / "code-lora"), "--init", str(tmp_path / "drafter"),
+    assert main(["train", *code_common, "--output-dir", str(tmp_path / "code-lora"), "--init", str(tmp_path / "drafter"),
                  "--lora", "--only-code", "--eval-only", "--eval-data", str(tmp_path / "code")]) == 0
     assert isinstance(seen["drafter"], PeftModel) and seen["sequences"] == kept
-    assert main(["train", *code_common, "--output", str(tmp_path / "nothing"), "--init", str(tmp_path / "drafter"),
+    assert main(["train", *code_common, "--output-dir", str(tmp_path / "nothing"), "--init", str(tmp_path / "drafter"),
                  "--lora", "--eval-only", "--eval-data", str(tmp_path / "code")]) == 2  # no adapter there: refused
 
     # the user's own conversations (a ShareGPT-format file) instead of the packaged ShareGPT

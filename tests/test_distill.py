@@ -182,7 +182,7 @@ def test_distill_weight_needs_soft_targets_and_a_valid_share():
         drafter_loss(drafter, hidden, labels, preds, head, 4, distill_weight=1.5)
 
 
-def test_cli_trains_with_distillation_and_refuses_a_weight_without_logits(tmp_path, monkeypatch, caplog):
+def test_cli_trains_with_distillation_and_refuses_a_weight_without_logits(tmp_path, monkeypatch, capsys):
     import json
 
     from dflash2_hf.cli import main
@@ -195,11 +195,11 @@ def test_cli_trains_with_distillation_and_refuses_a_weight_without_logits(tmp_pa
                  "--max-new-tokens", "8", "--no-progress"]) == 0
     common = ["train", "--target", t, "--data", str(tmp_path / "regen"), "--num-layers", "1", "--block-size", "4",
               "--target-layer-ids", "0,1", "--num-blocks", "4", "--max-steps", "2", "--save-steps", "100",
-              "--logging-steps", "1", "--no-progress"]
-    assert main([*common, "--output", str(tmp_path / "bad"), "--distill-weight", "0.5"]) == 2
-    assert "--distill-topk" in caplog.text
+              "--logging-steps", "1", "--disable-tqdm", "true"]
+    assert main([*common, "--output-dir", str(tmp_path / "bad"), "--distill-weight", "0.5"]) == 2
+    assert "--distill-topk" in capsys.readouterr().err
     out = tmp_path / "run"
-    assert main([*common, "--output", str(out), "--distill-topk", "4"]) == 0
+    assert main([*common, "--output-dir", str(out), "--distill-topk", "4"]) == 0
     summary = json.loads((out / "training_summary.json").read_text())
     assert summary["feature_cache"][0].endswith("__next__top4")
     assert summary["last_metrics"]["distill_loss"] > 0

@@ -209,17 +209,16 @@ def test_dtype_auto_loads_the_target_in_the_faster_dtype(monkeypatch, capsys, co
 @pytest.mark.parametrize("native", [True, False])
 def test_train_precision_auto_follows_the_cpu(cpu_bf16, native):
     """`train --feature-dtype auto --bf16 auto`: bf16 features and autocast only where the CPU computes bf16."""
-    from dflash2_hf.cli.train_args import resolve_precision
+    from dflash2_hf.training.parser import configs_from_namespace
+    from dflash2_hf.training.pipeline import _setup
+
+    def configs(*argv):
+        return build_parser().parse_args(["train", "--data", "d", "--output-dir", "o", "--use-cpu", *argv])
 
     cpu_bf16(native)
-    args = build_parser().parse_args(["train", "--data", "d", "--output", "o", "--feature-dtype", "auto",
-                                      "--bf16", "auto"])
-    chosen = resolve_precision(args, torch.device("cpu"))
-    assert args.feature_dtype == ("bfloat16" if native else "float32") and args.bf16 is native
-    assert len(chosen) == 2 and all("auto: " in c for c in chosen)
-    explicit = build_parser().parse_args(["train", "--data", "d", "--output", "o", "--bf16"])
-    assert resolve_precision(explicit, torch.device("cpu")) == [] and explicit.bf16 is True
-    assert explicit.feature_dtype == "float32"  # the default stays the serving dtype
-    default = build_parser().parse_args(["train", "--data", "d", "--output", "o"])
-    resolve_precision(default, torch.device("cpu"))
-    assert default.bf16 is False
+    cfg = configs_from_namespace(configs("--feature-dtype", "auto", "--bf16", "auto"))
+    _setup(cfg.data, cfg.features, cfg.training_args)
+    assert cfg.features.feature_dtype == ("bfloat16" if native else "float32") and cfg.training_args.bf16 is native
+    explicit = configs_from_namespace(configs("--bf16"))
+    assert explicit.training_args.bf16 is True and explicit.features.feature_dtype == "float32"  # the serving dtype
+    assert configs_from_namespace(configs()).training_args.bf16 is False

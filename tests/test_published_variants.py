@@ -363,19 +363,19 @@ def test_training_runs_on_a_windowed_published_drafter(tmp_path):
 # ------------------------------------------------------------------------------------------------- CLI choices
 def test_train_cli_chooses_the_attention_layout(targets):
     from dflash2_hf.cli.train import add_arguments
-    from dflash2_hf.cli.train_drafter import attention_overrides
+    from dflash2_hf.training.build import attention_overrides
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)
-    args = parser.parse_args(["--data", "d", "--output", "o", "--num-layers", "2", "--layer-types", "sliding,full",
+    args = parser.parse_args(["--data", "d", "--output-dir", "o", "--num-layers", "2", "--layer-types", "sliding,full",
                               "--sliding-window", "64", "--causal", "no"])
     overrides = attention_overrides(args)
     assert overrides == {"layer_types": [S, FULL], "sliding_window": 64, "is_causal": False}
     drafter = make_drafter(targets["llama"], **overrides)
     assert drafter.layer_rules == [LayerAttention(False, 64), LayerAttention(False, None)]
-    args = parser.parse_args(["--data", "d", "--output", "o", "--num-layers", "3", "--layer-types", "sliding"])
+    args = parser.parse_args(["--data", "d", "--output-dir", "o", "--num-layers", "3", "--layer-types", "sliding"])
     assert attention_overrides(args) == {"layer_types": [S, S, S]}
-    assert attention_overrides(parser.parse_args(["--data", "d", "--output", "o"])) == {}
+    assert attention_overrides(parser.parse_args(["--data", "d", "--output-dir", "o"])) == {}
     with pytest.raises(ValueError, match="full or sliding"):
         parse_layer_types("sliding,chunked", 2)
 

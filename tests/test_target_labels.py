@@ -85,9 +85,9 @@ def test_cli_original_answers_and_target_labels_train_with_extra_data(tmp_path, 
                  "--max-new-tokens", "6", "--no-progress"]) == 0
     out = tmp_path / "run"
     assert main(["train", "--target", t, "--data", str(tmp_path / "orig"), "--extra-data", str(tmp_path / "regen"),
-                 "--target-labels", "--output", str(out), "--num-layers", "1", "--block-size", "4",
+                 "--target-labels", "--output-dir", str(out), "--num-layers", "1", "--block-size", "4",
                  "--target-layer-ids", "0,1",
-                 "--num-blocks", "4", "--max-steps", "3", "--save-steps", "100", "--no-progress"]) == 0
+                 "--num-blocks", "4", "--max-steps", "3", "--save-steps", "100", "--disable-tqdm", "true"]) == 0
     caches = json.loads((out / "training_summary.json").read_text())["feature_cache"]
     assert len(caches) == 2 and all(c.endswith("__next") for c in caches)
 

@@ -11,10 +11,23 @@ Pipeline::
                              target=target, train_dataset=dataset, data_collator=collator)
     trainer.train(); trainer.save_model("runs/x")
 
-The ``dflash2 train`` command (:mod:`dflash2_hf.cli.train`) runs exactly this (plus ``--follow-data``:
-:class:`FollowDataCallback` adds records a still-running ``prepare-data`` job writes, and ``--resume``).
+The whole pipeline as one call, configured by typed dataclasses (what ``dflash2 train`` parses with
+``HfArgumentParser`` and calls; ``features="online"`` runs the target in the training step instead of a cache)::
+
+    from dflash2_hf.training import DataArguments, FeatureArguments, default_training_arguments, train
+    train(DataArguments(data="data/smollm2-sharegpt"), default_training_arguments("runs/x", max_steps=1000),
+          features=FeatureArguments(features="online"))
 """
 
+from .config import (
+    RECIPE_DEFAULTS,
+    DataArguments,
+    DFlash2TrainingArguments,
+    DrafterArguments,
+    FeatureArguments,
+    LoraArguments,
+    default_training_arguments,
+)
 from .collator import IGNORE_INDEX, BlockCollator, block_labels, response_offsets, sample_anchors, valid_anchors
 from .dataset import FeatureDataset, GrowingConcatDataset, GrowingRandomSampler, load_training_records, normalize_record
 from .evaluate import evaluate_blocks
@@ -22,18 +35,23 @@ from .features import FeatureCache, cache_key, feature_length
 from .target_features import target_features
 from .init import initialize_from_target, target_layer_choice
 from .losses import DrafterLossOutput, accumulate_stats, default_gamma, drafter_loss, slot_weights, summarize_stats
-from .trainer import (
-    DFlash2Trainer,
-    DFlash2TrainingArguments,
-    FollowDataCallback,
-    default_training_arguments,
-    freeze_target,
-    unwrap_drafter,
-    write_summary,
-)
+from .online import OnlineFeatures, RecordDataset
+from .trainer import DFlash2Trainer, FollowDataCallback, freeze_target, unwrap_drafter, write_summary
+from .parser import TrainArgumentParser, TrainConfig
+from .pipeline import train
 
 __all__ = [
     "BlockCollator",
+    "DataArguments",
+    "DrafterArguments",
+    "FeatureArguments",
+    "LoraArguments",
+    "OnlineFeatures",
+    "RECIPE_DEFAULTS",
+    "RecordDataset",
+    "TrainArgumentParser",
+    "TrainConfig",
+    "train",
     "DFlash2Trainer",
     "DFlash2TrainingArguments",
     "DrafterLossOutput",

@@ -1,48 +1,36 @@
-"""What ``dflash2 train`` trains: the drafter (resumed, ``--init`` or fresh), its draft vocabulary, and the LoRA
-wrapping (``--lora``), each option checked before any expensive work."""
+"""What a training run trains: the drafter (resumed, ``init`` or fresh, from a :class:`~.config.DrafterArguments`), its
+draft vocabulary, and the LoRA wrapping (a :class:`~.config.LoraArguments`)."""
 
 from __future__ import annotations
 
-import argparse
 import logging
 
 from ..errors import CheckpointError
 
-logger = logging.getLogger("dflash2.train")
+logger = logging.getLogger(__name__)
 
 
-def check_lora_args(args: argparse.Namespace) -> None:
-    """Validates the LoRA options before any work (target load, features).
+def check_lora_init(lora) -> None:
+    """A local ``lora_init`` folder must hold an adapter (checked before any expensive work).
 
     Raises:
-        SystemExit: ``--lora`` without ``--init`` (an adapter needs a trained base drafter), LoRA-only options without
-            ``--lora``, ``--lora-modules-lr`` without modules to train in full, or a local ``--lora-init`` folder that
-            is missing or no adapter (``dflash2_hf.lora.check_adapter_folder``'s message).
+        ValueError: ``dflash2_hf.lora.check_adapter_folder``'s message.
     """
-    if not args.lora:
-        if (args.lora_modules_to_save or args.lora_modules_lr is not None or args.lora_init
-                or args.lora_save_dtype != "fp32"):
-            raise SystemExit("--lora-modules-to-save / --lora-modules-lr / --lora-init / --lora-save-dtype shape a LoRA "
-                             "adapter: add --lora (and --init).")
+    if not (lora.lora and lora.lora_init):
         return
-    if args.lora_modules_lr is not None and not (args.lora_modules_to_save or args.lora_init):
-        raise SystemExit("--lora-modules-lr sets the rate of --lora-modules-to-save: name those modules too.")
-    if not args.init:
-        raise SystemExit("--lora needs --init PATH_OR_ID: the trained drafter the adapter adapts.")
-    if args.lora_init:
-        from ..hub import is_local_path
-        from ..lora import check_adapter_folder
+    from ..hub import is_local_path
+    from ..lora import check_adapter_folder
 
-        if is_local_path(args.lora_init):
-            try:
-                check_adapter_folder(args.lora_init)
-            except (FileNotFoundError, CheckpointError) as err:
-                raise SystemExit(f"--lora-init: {err}") from err
+    if is_local_path(lora.lora_init):
+        try:
+            check_adapter_folder(lora.lora_init)
+        except (FileNotFoundError, CheckpointError) as err:
+            raise ValueError(f"--lora-init: {err}") from err
 
 
-def wrap_model(drafter, args: argparse.Namespace):
-    """The module the Trainer optimizes: the drafter, or (``--lora``) a PEFT LoRA model around it (options checked
-    by :func:`check_lora_args`)."""
+def wrap_model(drafter, args):
+    """The module the Trainer optimizes: the drafter, or (``args.lora``, a :class:`~.config.LoraArguments`) a PEFT
+    LoRA model around it."""
     if not args.lora:
         return drafter
     from ..lora import add_lora, lora_config
@@ -56,7 +44,7 @@ def wrap_model(drafter, args: argparse.Namespace):
     return add_lora(drafter, lora_config(args.lora_r, args.lora_alpha, args.lora_dropout, modules, full))
 
 
-def attention_overrides(args: argparse.Namespace) -> dict:
+def attention_overrides(args) -> dict:
     """``layer_types`` / ``sliding_window`` / ``is_causal`` of a fresh drafter from ``--layer-types``,
     ``--sliding-window`` and ``--causal`` (only those given); raises ValueError for bad layer types."""
     from ..masking import parse_layer_types
@@ -69,13 +57,14 @@ def attention_overrides(args: argparse.Namespace) -> dict:
     return out
 
 
-def build_drafter(args: argparse.Namespace, target, resume_from: str | None):
-    """The drafter to train: the resumed checkpoint's, ``--init``'s, or a fresh one sized for the target."""
+def build_drafter(args, target, resume_from: str | None, lora: bool = False):
+    """The drafter to train (``args``: a :class:`~.config.DrafterArguments`): the resumed checkpoint's, ``init``'s, or
+    a fresh one sized for the target."""
     import torch
 
     from .. import DFlash2DraftModel
 
-    if resume_from and not args.lora:  # a LoRA checkpoint holds the adapter only: the base comes from --init
+    if resume_from and not lora:  # a LoRA checkpoint holds the adapter only: the base comes from --init
         drafter = DFlash2DraftModel.from_pretrained(resume_from)
     elif args.init:
         drafter = DFlash2DraftModel.from_pretrained(args.init)
@@ -95,7 +84,7 @@ def build_drafter(args: argparse.Namespace, target, resume_from: str | None):
             overrides["use_candidate_selector"] = False
         overrides.update(attention_overrides(args))
         drafter = DFlash2DraftModel.from_target(target, **overrides)
-        from ..training import initialize_from_target
+        from .init import initialize_from_target
 
         initialize_from_target(drafter, target, layers=args.init_layers_from_target,
                                final_norm=args.init_norm_from_target)
@@ -106,29 +95,23 @@ def build_drafter(args: argparse.Namespace, target, resume_from: str | None):
     return drafter.float().train()
 
 
-def check_draft_vocab_args(args: argparse.Namespace, drafter) -> None:
-    """Validates ``--draft-vocab`` before any feature is computed (see :func:`choose_draft_vocab`)."""
-    if args.draft_vocab is None:
-        return
-    if args.lora:
-        raise ValueError("--draft-vocab cannot be used with --lora: the adapter drafts with its base drafter's "
-                         "vocabulary; choose it when training the base drafter")
-    if not 1 <= args.draft_vocab <= drafter.config.vocab_size:
-        raise ValueError(f"--draft-vocab must be in [1, {drafter.config.vocab_size}] (the target vocabulary), "
-                         f"got {args.draft_vocab}")
+def check_draft_vocab(n: int | None, drafter) -> None:
+    """Validates a ``draft_vocab`` size before any feature is computed (see :func:`choose_draft_vocab`)."""
+    if n is not None and not 1 <= n <= drafter.config.vocab_size:
+        raise ValueError(f"--draft-vocab must be in [1, {drafter.config.vocab_size}] (the target vocabulary), got {n}")
 
 
-def choose_draft_vocab(args: argparse.Namespace, drafter, records: list[dict]) -> None:
-    """``--draft-vocab N``: restricts ``drafter`` to the N most frequent response tokens of ``records`` (+ EOS).
+def choose_draft_vocab(n: int, drafter, records: list[dict]) -> None:
+    """Restricts ``drafter`` to the ``n`` most frequent response tokens of ``records`` (+ EOS).
 
     Raises:
-        ValueError: with ``--lora`` (an adapter shares its base drafter's vocabulary), or N outside [1, vocab size].
+        ValueError: ``n`` outside [1, vocab size].
     """
-    from ..training.draft_vocab import draft_vocab_coverage, draft_vocab_from_records, eos_ids
+    from .draft_vocab import draft_vocab_coverage, draft_vocab_from_records, eos_ids
 
-    check_draft_vocab_args(args, drafter)
+    check_draft_vocab(n, drafter)
     old = drafter.draft_vocab_ids
-    ids, coverage = draft_vocab_from_records(records, args.draft_vocab, always=eos_ids(drafter.config))
+    ids, coverage = draft_vocab_from_records(records, n, always=eos_ids(drafter.config))
     before = 1.0 if old is None else draft_vocab_coverage(old.tolist(), records)
     drafter.set_draft_vocab(ids)
     logger.info("--draft-vocab %d: covers %.4f of the training data's response tokens (was %s: %.4f)", ids.numel(),

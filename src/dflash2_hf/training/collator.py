@@ -144,7 +144,10 @@ class BlockCollator:
       int64, the target's top-k next-token logits for each slot (meaningful where ``labels`` is set, 0 elsewhere).
 
     Anchors are re-drawn on every call (``rng`` seeded by ``seed``); ``early_anchor_tokens`` /
-    ``early_anchor_weight`` favour anchors near the start of each response (:func:`sample_anchors`).
+    ``early_anchor_weight`` favour anchors near the start of each response (:func:`sample_anchors`). With ``epoch``
+    set (the Trainer sets it at every epoch start), an item with a ``record_id`` draws from its own RNG seeded by
+    ``(seed, epoch, record_id)`` instead: the same anchors whichever process, batch or resumed run collates it
+    (data-parallel ranks then train exactly the blocks one process would).
 
     Raises:
         ValueError: an item is malformed (length mismatch, too few feature rows), or only some items of a batch
@@ -159,6 +162,7 @@ class BlockCollator:
     drop_empty: bool = True
     early_anchor_tokens: int = 0
     early_anchor_weight: float = 1.0
+    epoch: int | None = None
     rng: random.Random = field(init=False, repr=False)
 
     def __post_init__(self):
@@ -170,6 +174,12 @@ class BlockCollator:
             raise ValueError(f"early_anchor_weight must be > 0 and early_anchor_tokens >= 0, got "
                              f"{self.early_anchor_weight} and {self.early_anchor_tokens}")
         self.rng = random.Random(self.seed)
+
+    def _rng_for(self, item: dict) -> random.Random:
+        rid = item.get("record_id")
+        if self.epoch is None or rid is None:
+            return self.rng
+        return random.Random(f"{self.seed}:{self.epoch}:{int(rid)}")  # str seeds hash with sha512: same everywhere
 
     def _prepare(self, item: dict):
         ids = torch.as_tensor(item["input_ids"], dtype=torch.long).flatten()
@@ -203,7 +213,7 @@ class BlockCollator:
                              "build every feature cache of the run with the same --distill-topk")
         for item in items:
             ids, mask, feats, nxt, soft = self._prepare(item)
-            anchors = sample_anchors(mask, self.num_blocks, self.rng, self.early_anchor_tokens,
+            anchors = sample_anchors(mask, self.num_blocks, self._rng_for(item), self.early_anchor_tokens,
                                      self.early_anchor_weight)
             if anchors.numel() == 0 and self.drop_empty and len(items) > 1:
                 continue

@@ -1,13 +1,12 @@
-"""What ``dflash2 train`` reads: the training and held-out records (``--only-code``), where their target features are
-cached, and the checkpoint a ``--resume`` continues from."""
+"""What a training run reads: the training and held-out records (``only_code``), where their target features are
+cached, and the checkpoint a resume continues from."""
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 
-logger = logging.getLogger("dflash2.train")
+logger = logging.getLogger(__name__)
 
 
 def is_code_record(tokenizer, record: dict) -> bool:
@@ -32,30 +31,30 @@ def is_code_folder(data_dir: str) -> bool:
             and read_meta(data_dir).get("source", {}).get("filter") == "code")
 
 
-def keep_code(args: argparse.Namespace, tokenizer, data_dir: str, records: list[dict]) -> tuple[list[dict], bool]:
-    """With ``--only-code``: the records with a fenced code block, unless ``data_dir`` is code-domain as a whole
+def keep_code(only_code: bool, tokenizer, data_dir: str, records: list[dict]) -> tuple[list[dict], bool]:
+    """With ``only_code``: the records with a fenced code block, unless ``data_dir`` is code-domain as a whole
     (:func:`is_code_folder`). Returns ``(records, filtered)``."""
-    filtered = args.only_code and not is_code_folder(data_dir)
+    filtered = only_code and not is_code_folder(data_dir)
     return ([r for r in records if is_code_record(tokenizer, r)] if filtered else records), filtered
 
 
-def load_eval_records(args: argparse.Namespace, tokenizer) -> list[dict]:
-    """The first ``--eval-max-records`` records of ``--eval-data`` (with ``--only-code``: of its code records, so the
-    evaluation is in the training domain).
+def load_eval_records(data, tokenizer) -> list[dict]:
+    """The first ``data.eval_max_records`` records of ``data.eval_data`` (a :class:`~.config.DataArguments`; with
+    ``only_code``: of its code records, so the evaluation is in the training domain).
 
     Raises:
         ValueError: no record to evaluate on.
     """
-    from ..training import load_training_records
+    from .dataset import load_training_records
 
-    recs = load_training_records(args.eval_data, max_records=None if args.only_code else args.eval_max_records,
+    recs = load_training_records(data.eval_data, max_records=None if data.only_code else data.eval_max_records,
                                  train_only=False)
-    recs, code_filter = keep_code(args, tokenizer, args.eval_data, recs)
-    recs = recs[:args.eval_max_records]
+    recs, code_filter = keep_code(data.only_code, tokenizer, data.eval_data, recs)
+    recs = recs[:data.eval_max_records]
     if code_filter:
         logger.info("--only-code: %d held-out records with a fenced code block", len(recs))
     if not recs:
-        raise ValueError(f"--eval-data {args.eval_data}: no record to evaluate on"
+        raise ValueError(f"--eval-data {data.eval_data}: no record to evaluate on"
                          + (" (none has a fenced code block; drop --only-code or use a code folder)" if code_filter
                             else ""))
     return recs

@@ -22,72 +22,19 @@ import json
 import logging
 import os
 import time
-from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-from transformers import Trainer, TrainerCallback, TrainingArguments
+from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import has_length
 
 from ..modeling_dflash2 import DFlash2DraftModel
 from ..quantization import refuse_int8
+from .config import DFlash2TrainingArguments, default_training_arguments
 from .dataset import GrowingRandomSampler
 from .losses import accumulate_stats, drafter_loss, lm_head_on, summarize_stats
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class DFlash2TrainingArguments(TrainingArguments):
-    """``TrainingArguments`` plus the drafter loss settings.
-
-    Args:
-        loss_gamma (`float`, *optional*): slot-weight decay; default from the block size (7 @ 16, 5 @ 10, 4 @ 8).
-        selector_loss_weight (`float`): weight of the selector loss (0 = train the drafter only).
-        selector_detach (`bool`): train the selector on detached drafter hidden states / logits.
-        distill_weight (`float`): share of the distillation term in the block loss (0 = hard labels only; needs
-            batches with the target's top-k logits, a feature cache built with ``topk``).
-        modules_to_save_learning_rate (`float`, *optional*): learning rate of the modules a LoRA adapter trains in
-            full (peft ``modules_to_save``), when it should differ from ``learning_rate`` (the LoRA layers'): full
-            weights move at a full fine-tune's pace, LoRA factors start at zero and need a larger one.
-    """
-
-    loss_gamma: float | None = field(default=None, metadata={"help": "slot weight decay gamma (default: by block size)"})
-    selector_loss_weight: float = field(default=1.0, metadata={"help": "weight of the candidate-selector loss"})
-    selector_detach: bool = field(default=True, metadata={"help": "selector loss does not back-propagate into the drafter"})
-    distill_weight: float = field(default=0.0, metadata={"help": "share of the top-k distillation term in the block loss"})
-    modules_to_save_learning_rate: float | None = field(
-        default=None, metadata={"help": "learning rate of a LoRA adapter's fully trained modules (modules_to_save)"}
-    )
-
-
-def default_training_arguments(output_dir: str, **overrides) -> DFlash2TrainingArguments:
-    """The recipe's defaults (AdamW 6e-4, cosine, 4% warm-up, clip 1.0, CPU, no external reporting).
-
-    ``overrides`` replace any field (e.g. ``max_steps=2000, bf16=True, save_steps=200``).
-    """
-    kw = dict(
-        output_dir=output_dir,
-        learning_rate=6e-4,
-        lr_scheduler_type="cosine",
-        warmup_steps=0.04,
-        max_grad_norm=1.0,
-        optim="adamw_torch",
-        weight_decay=0.0,
-        per_device_train_batch_size=1,
-        per_device_eval_batch_size=1,
-        logging_steps=10,
-        save_steps=200,
-        save_total_limit=3,
-        use_cpu=not torch.cuda.is_available(),  # train on the GPU when there is one
-        report_to="none",
-        remove_unused_columns=False,
-        dataloader_num_workers=0,
-        dataloader_pin_memory=torch.cuda.is_available(),  # pinned host memory speeds up the feature copies
-        seed=0,
-    )
-    kw.update(overrides)
-    return DFlash2TrainingArguments(**kw)
 
 
 def unwrap_drafter(model: nn.Module) -> DFlash2DraftModel:
@@ -120,7 +67,8 @@ def freeze_target(target: nn.Module) -> tuple[torch.Tensor, nn.Module]:
 
 class _CollatorReseed(TrainerCallback):
     """Re-seeds the collator's anchor RNG at train start with ``seed + global_step`` (a resumed run draws new
-    anchors instead of replaying the first steps' draws)."""
+    anchors instead of replaying the first steps' draws), and hands the collator the epoch at every epoch start
+    (records then draw their anchors from ``(seed, epoch, record_id)``: the same in any process or batch)."""
 
     def __init__(self, collator):
         self.collator = collator
@@ -129,6 +77,10 @@ class _CollatorReseed(TrainerCallback):
         rng = getattr(self.collator, "rng", None)
         if rng is not None:
             rng.seed(int(getattr(self.collator, "seed", 0)) * 1_000_003 + int(state.global_step))
+
+    def on_epoch_begin(self, args, state, control, **kwargs):
+        if hasattr(self.collator, "epoch"):
+            self.collator.epoch = int(state.epoch or 0)
 
 
 class FollowDataCallback(TrainerCallback):
@@ -199,6 +151,9 @@ class DFlash2Trainer(Trainer):
             ``target_embedding`` ``(V, H_t)`` and ``target_lm_head`` directly.
         train_dataset / data_collator: usually a :class:`~dflash2_hf.training.dataset.FeatureDataset` and a
             :class:`~dflash2_hf.training.collator.BlockCollator`.
+        online_features: an :class:`~dflash2_hf.training.online.OnlineFeatures` (with a
+            :class:`~dflash2_hf.training.online.RecordDataset`): the target's features are computed in the training
+            step (``compute_loss``) and in ``evaluate`` instead of read from a cache.
         Other keyword arguments go to ``transformers.Trainer``.
 
     Raises:
@@ -207,7 +162,8 @@ class DFlash2Trainer(Trainer):
 
     loss_is_scaled_for_ga = False  # compute_loss returns a per-batch mean
 
-    def __init__(self, model=None, args=None, target=None, target_embedding=None, target_lm_head=None, **kwargs):
+    def __init__(self, model=None, args=None, target=None, target_embedding=None, target_lm_head=None,
+                 online_features=None, **kwargs):
         if target is not None:
             target_embedding, target_lm_head = freeze_target(target)
         if target_embedding is None or target_lm_head is None:
@@ -225,10 +181,16 @@ class DFlash2Trainer(Trainer):
         self.target_lm_head = target_lm_head
         if args is None:
             args = default_training_arguments("dflash2-drafter")
+        self.online_features = online_features  # an OnlineFeatures: the target runs in compute_loss
+        self.block_collator = kwargs.get("data_collator")
+        if online_features is not None:
+            from .online import defer_collation
+
+            kwargs["data_collator"] = defer_collation
         super().__init__(model=model, args=args, **kwargs)
         self.model_accepts_loss_kwargs = False
-        if self.data_collator is not None and hasattr(self.data_collator, "rng"):
-            self.add_callback(_CollatorReseed(self.data_collator))
+        if self.block_collator is not None and hasattr(self.block_collator, "rng"):
+            self.add_callback(_CollatorReseed(self.block_collator))
         self._train_stats = None
         self._stats_t0 = time.time()
 
@@ -273,6 +235,8 @@ class DFlash2Trainer(Trainer):
 
         ``inputs`` is a :class:`~dflash2_hf.training.collator.BlockCollator` batch.
         """
+        if "online_items" in inputs:  # the frozen target runs now, then the blocks are drawn (no grad reaches it)
+            inputs = self._prepare_inputs(self.block_collator(self.online_features(inputs["online_items"])))
         drafter = unwrap_drafter(model)
         embed_w = self.target_embedding
         if embed_w.device != inputs["block_input_ids"].device:
@@ -297,7 +261,7 @@ class DFlash2Trainer(Trainer):
             selector_detach=getattr(self.args, "selector_detach", True),
             soft_logits=inputs.get("soft_logits"),
             soft_ids=inputs.get("soft_ids"),
-            distill_weight=getattr(self.args, "distill_weight", 0.0),
+            distill_weight=getattr(self.args, "distill_weight", 0.0) or 0.0,
         )
         if model.training:
             self._train_stats = accumulate_stats(self._train_stats, res.stats)
@@ -305,7 +269,8 @@ class DFlash2Trainer(Trainer):
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
-        """Teacher-forced block metrics on ``eval_dataset`` (default: the trainer's), same blocks every time.
+        """Teacher-forced block metrics on ``eval_dataset`` (default: the trainer's), same blocks every time; computed
+        and logged by the main process only (other ranks return ``{}``; the drafter is read unwrapped, no collective).
 
         Logs and returns ``{prefix}_acc_slot_j``, ``{prefix}_tau_top1``, ``{prefix}_tau_selector``,
         ``{prefix}_ce_loss``, ... (see :func:`~dflash2_hf.training.evaluate.evaluate_blocks`).
@@ -318,10 +283,15 @@ class DFlash2Trainer(Trainer):
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
         if dataset is None:
             raise ValueError("DFlash2Trainer.evaluate needs an eval_dataset")
-        model = self.model
-        drafter = unwrap_drafter(model)
+        if not self.is_world_process_zero():
+            return {}
+        if self.online_features is not None:
+            from .online import WithOnlineFeatures
+
+            dataset = WithOnlineFeatures(dataset, self.online_features)
+        drafter = unwrap_drafter(self.model)
         metrics = evaluate_blocks(
-            drafter, self.target_embedding, self.target_lm_head, dataset, self.data_collator,
+            drafter, self.target_embedding, self.target_lm_head, dataset, self.block_collator,
             batch_size=self.args.per_device_eval_batch_size,
             gamma=self.args.loss_gamma if isinstance(self.args, DFlash2TrainingArguments) else None,
         )
@@ -369,7 +339,8 @@ def write_summary(output_dir: str, trainer: DFlash2Trainer, extra: dict | None =
     for entry in hist:
         if "loss" in entry or "train_loss" in entry:
             last.update(entry)
-    summary = {"global_step": trainer.state.global_step, "last_metrics": last, **(extra or {})}
+    summary = {"global_step": trainer.state.global_step, "world_size": trainer.args.world_size, "last_metrics": last,
+               **(extra or {})}
     path = os.path.join(output_dir, "training_summary.json")
     with open(path, "w") as f:
         json.dump(summary, f, indent=2, sort_keys=True, default=str)

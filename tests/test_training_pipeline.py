@@ -1,0 +1,122 @@
+"""The training pipeline as a library (typed configs + train()), its command line, and online target features."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from dflash2_hf import DFlash2DraftModel
+from dflash2_hf.training import (
+    BlockCollator,
+    DFlash2Trainer,
+    FeatureCache,
+    FeatureDataset,
+    OnlineFeatures,
+    RecordDataset,
+    default_training_arguments,
+)
+from test_training import _drafter, _records, _target
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return _target()
+
+
+@pytest.mark.parametrize("labels, topk", [(False, 0), (True, 5)])
+def test_online_features_give_the_cached_loss(tmp_path, target, labels, topk):
+    """The same batch through the cache and through the target in the training step: same features, same loss."""
+    drafter = _drafter(target)
+    recs = _records(4)
+    layer_ids = drafter.config.target_layer_ids
+    cache = FeatureCache(tmp_path / "feat", "tiny", layer_ids, with_next=labels, topk=topk)
+    cache.build(target, recs, max_length=30, progress=False)
+    cached = FeatureDataset(recs, cache, max_length=30, target_labels=labels)
+    online = RecordDataset(recs, max_length=30)
+    assert [r["record_id"] for r in cached.records] == [r["record_id"] for r in online.records]
+    provider = OnlineFeatures(target, layer_ids, target_labels=labels, topk=topk)
+    losses = []
+    for ds, feats in ((cached, None), (online, provider)):
+        collator = BlockCollator(block_size=4, mask_token_id=drafter.config.mask_token_id, num_blocks=6, epoch=0)
+        args = default_training_arguments(str(tmp_path / "run"), distill_weight=0.5 if topk else 0.0,
+                                          disable_tqdm=True)
+        trainer = DFlash2Trainer(model=drafter, args=args, target=target, train_dataset=ds, data_collator=collator,
+                                 online_features=feats)
+        batch = trainer.data_collator([ds[i] for i in range(len(ds))])
+        assert ("online_items" in batch) is (feats is not None)  # online: no features in the DataLoader
+        losses.append(trainer.compute_loss(trainer.model, trainer._prepare_inputs(batch)))
+    assert torch.equal(losses[0], losses[1])
+    item = provider([online[1]])[0]
+    assert torch.equal(item["context_hidden_states"], cached[1]["context_hidden_states"])
+    for key in ("target_next", "target_topk_logits", "target_topk_ids"):
+        if key in cached[1]:
+            assert torch.equal(item[key], cached[1][key]), key
+
+
+def test_parser_uses_transformers_names_and_refuses_old_spellings(capsys):
+    from dflash2_hf.cli import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["train", "--help"])
+    help_text = capsys.readouterr().out
+    for name in ("--output_dir", "--learning_rate", "--per_device_train_batch_size", "--num_train_epochs",
+                 "--gradient_accumulation_steps", "--resume_from_checkpoint", "--features {cache,online}"):
+        assert name in help_text, name
+    for old, new in (("--output", "--output-dir"), ("--lr", "--learning-rate"), ("--resume", "--resume-from-checkpoint"),
+                     ("--batch-size", "--per-device-train-batch-size"), ("--epochs", "--num-train-epochs")):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["train", "--data", "d", old, "1"])
+        assert f"{old} is now {new}" in capsys.readouterr().err
+
+
+def test_config_file_fills_defaults_and_the_command_line_wins(tmp_path):
+    from dflash2_hf.cli import build_parser
+    from dflash2_hf.training.parser import configs_from_namespace
+
+    (tmp_path / "run.yaml").write_text("data: some/folder\nlearning_rate: 0.001\nmax_steps: 7\nfeatures: online\n"
+                                       "num_layers: 2\nlora_r: 4\n")
+    cfg = configs_from_namespace(build_parser().parse_args(
+        ["train", str(tmp_path / "run.yaml"), "--max-steps", "3", "--output-dir", str(tmp_path / "o")]))
+    assert cfg.data.data == "some/folder" and cfg.features.features == "online" and cfg.drafter.num_layers == 2
+    assert cfg.training_args.learning_rate == 0.001 and cfg.training_args.max_steps == 3 and cfg.lora.lora_r == 4
+    assert cfg.training_args.lr_scheduler_type == "cosine" and cfg.training_args.seed == 0  # the recipe's defaults
+    (tmp_path / "bad.json").write_text(json.dumps({"output": "x"}))
+    with pytest.raises(ValueError, match="unknown option"):
+        configs_from_namespace(build_parser().parse_args(["train", str(tmp_path / "bad.json")]))
+
+
+def test_cli_trains_online_without_a_cache_and_decodes_losslessly(tmp_path, monkeypatch):
+    from transformers import AutoModelForCausalLM
+
+    from dflash2_hf.cli import main
+    from test_data import _good_records, _tiny_tokenizer, _write_array, tiny_chat_target_folder
+
+    monkeypatch.setenv("DFLASH2_CACHE", str(tmp_path / "cache"))
+    t = tiny_chat_target_folder(tmp_path / "target")
+    src = str(_write_array(tmp_path / "sg.json", _good_records(4)))
+    assert main(["prepare-data", "--target", t, "--source", src, "--out", str(tmp_path / "regen"), "--stop", "4",
+                 "--max-new-tokens", "8", "--no-progress"]) == 0
+    out = tmp_path / "run"
+    assert main(["train", "--target", t, "--data", str(tmp_path / "regen"), "--features", "online", "--num-layers", "1",
+                 "--block-size", "4", "--num-blocks", "4", "--max-steps", "3", "--save-steps", "2",
+                 "--logging-steps", "1", "--output-dir", str(out), "--disable-tqdm", "true"]) == 0
+    assert not (tmp_path / "cache" / "features").exists()  # nothing cached
+    summary = json.loads((out / "training_summary.json").read_text())
+    assert summary["world_size"] == 1 and summary["features"] == "online" and summary["feature_cache"] is None
+    assert summary["global_step"] == 3 and (out / "checkpoint-2").is_dir()
+    drafter = DFlash2DraftModel.from_pretrained(out)
+    target = AutoModelForCausalLM.from_pretrained(t).eval()
+    ids = _tiny_tokenizer().apply_chat_template([{"role": "user", "content": "hello"}], add_generation_prompt=True,
+                                                return_tensors="pt", return_dict=True)["input_ids"]
+    assert torch.equal(target.generate(ids, max_new_tokens=10, do_sample=False),
+                       target.generate(ids, assistant_model=drafter, max_new_tokens=10, do_sample=False))
+    # resume: continues after the last checkpoint of the same run (the Trainer also saves at the last step)
+    assert main(["train", "--target", t, "--data", str(tmp_path / "regen"), "--features", "online", "--num-layers", "1",
+                 "--block-size", "4", "--num-blocks", "4", "--max-steps", "4", "--output-dir", str(out),
+                 "--resume-from-checkpoint", "last", "--disable-tqdm", "true"]) == 0
+    summary = json.loads((out / "training_summary.json").read_text())
+    assert summary["resumed_from"].endswith("checkpoint-3") and summary["global_step"] == 4
