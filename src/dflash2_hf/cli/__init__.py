@@ -45,6 +45,31 @@ def non_negative_bound(text: str) -> float:
     return _number(text, lambda v: v >= 0, ">= 0")
 
 
+def _integer(text: str, low: int, rule: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < low:
+        raise argparse.ArgumentTypeError(f"must be {rule}; got {text}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    """argparse type of a count >= 1 (``--max-new-tokens``, ``--num-threads``, ``--num-prompts``)."""
+    return _integer(text, 1, ">= 1")
+
+
+def non_negative_int(text: str) -> int:
+    """argparse type of a count >= 0 where 0 means off (``--top-k``, ``--max-prompt-tokens``)."""
+    return _integer(text, 0, ">= 0 (0 = off)")
+
+
+def top_p(text: str) -> float:
+    """argparse type of a nucleus-sampling mass in ``(0, 1]`` (1 = off)."""
+    return _number(text, lambda v: 0 < v <= 1, "in (0, 1] (1 = off)")
+
+
 def device_spec(text: str) -> str:
     """argparse type of a ``--device`` value: ``auto``, ``cpu``, ``cuda`` or ``cuda:N``."""
     if text in ("auto", "cpu", "cuda") or (text.startswith("cuda:") and text[5:].isdigit()):
@@ -153,10 +178,57 @@ def resolve_drafter_dtype(spec: str, device) -> tuple[object, bool, str]:
     return dtype, precision == "int8", f"{precision} (auto: {reason})"
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="dflash2", description="DFlash2 speculative decoding for transformers")
-    sub = parser.add_subparsers(dest="command", required=True)
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Keeps descriptions as written and shows every option's default (``--help``), unless its help already says it."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if ("default" in text.lower() or action.default in (None, False, argparse.SUPPRESS)
+                or not action.option_strings):
+            return text
+        return f"{text} (default: %(default)s)".lstrip()
+
+
+def show_defaults(parser: argparse.ArgumentParser) -> None:
+    """Options declared without help text still show their default in ``--help`` (argparse skips an empty help)."""
+    for action in parser._actions:  # noqa: SLF001 - argparse has no public list of a parser's actions
+        if action.option_strings and not action.help and action.default not in (None, False, argparse.SUPPRESS):
+            action.help = "(default: %(default)s)"
+
+
+class _Renamed(argparse.Action):
+    """An old spelling of an option, refused with the new one's name (hidden from ``--help``)."""
+
+    def __init__(self, option_strings, dest, new: str = "", **kwargs):
+        self.new = new
+        super().__init__(option_strings, dest, nargs="?", help=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.error(f"{option_string} is spelled {self.new} in this command: {self.new} {values or 'FOLDER'}")
+
+
+def refuse_old_spellings(parser: argparse.ArgumentParser) -> None:
+    """The non-train commands name their output folder ``--out``: ``--output`` / ``--output-dir`` (train's, after
+    transformers' TrainingArguments) are refused with a message naming it."""
+    options = parser._option_string_actions  # noqa: SLF001 - argparse has no public "has option" query
+    if "--out" in options:
+        for old in ("--output", "--output-dir"):
+            if old not in options:
+                parser.add_argument(old, action=_Renamed, new="--out", dest=f"_renamed_{old[2:]}")
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The ``dflash2`` parser. ``command``: import only that sub-command's module (the others are listed by name),
+    so running one command never imports, or trips over, another."""
+    from dflash2_cli import DESCRIPTION, SUBCOMMANDS as HELP_LINES, add_top_level_arguments
+
+    parser = argparse.ArgumentParser(prog="dflash2", description=DESCRIPTION, formatter_class=HelpFormatter)
+    add_top_level_arguments(parser)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, module_name in SUBCOMMANDS.items():
+        if command is not None and name != command:
+            sub.add_parser(name, help=HELP_LINES[name][1], add_help=False)
+            continue
         try:
             module = importlib.import_module(f"{__name__}.{module_name}")
         except ModuleNotFoundError as err:  # a sub-command whose module is not written yet
@@ -165,8 +237,10 @@ def build_parser() -> argparse.ArgumentParser:
             continue
         doc = (module.__doc__ or "").strip().splitlines()
         p = sub.add_parser(name, help=doc[0] if doc else None, description=module.__doc__,
-                           formatter_class=argparse.RawDescriptionHelpFormatter)
+                           formatter_class=HelpFormatter)
         module.add_arguments(p)
+        show_defaults(p)
+        refuse_old_spellings(p)
         p.set_defaults(_run=module.run)
     return parser
 
@@ -177,7 +251,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from ..errors import DFlash2Error
 
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    command = next((arg for arg in argv if not arg.startswith("-")), None)
+    args = build_parser(command if command in SUBCOMMANDS else None).parse_args(argv)
     try:
         return int(args._run(args) or 0)
     except (DFlash2Error, OSError, ImportError, ValueError) as err:  # OSError: also a Hub id that cannot be reached

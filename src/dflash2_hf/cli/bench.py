@@ -28,11 +28,15 @@ from . import (
     add_device_argument,
     add_drafter_dtype_argument,
     add_dtype_argument,
+    non_negative,
     non_negative_bound,
+    non_negative_int,
+    positive_int,
     probability,
     resolve_device,
     resolve_drafter_dtype,
     resolve_dtype,
+    top_p,
 )
 
 
@@ -67,9 +71,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="comma-separated: 'sharegpt' (ShareGPT dev records 16000-16999, first human turn), "
                              "'humaneval', or paths of JSONL files with a 'prompt' string or a chat 'messages' list "
                              "per line (default: sharegpt,humaneval)")
-    parser.add_argument("--num-prompts", type=int, default=10, help="prompts per data set (default 10)")
-    parser.add_argument("--max-new-tokens", type=int, default=128, help="new tokens per generation (default 128)")
-    parser.add_argument("--max-prompt-tokens", type=int, default=1024,
+    parser.add_argument("--num-prompts", type=positive_int, default=10, help="prompts per data set (default 10)")
+    parser.add_argument("--max-new-tokens", type=positive_int, default=128, help="new tokens per generation (default 128)")
+    parser.add_argument("--max-prompt-tokens", type=non_negative_int, default=1024,
                         help="skip prompts longer than this after the chat template (default 1024; 0 = no limit)")
     add_dtype_argument(parser, "fp32", "target (and drafter) dtype")
     add_drafter_dtype_argument(parser, None, "--dtype")
@@ -80,14 +84,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--calibrate-fp32", action="store_true",
                         help="greedy with a bf16 target: also run plain greedy with the target in fp32 on the same "
                              "prompts (untimed) and report how often plain bf16 parts from plain fp32 and where")
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
-    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (default 1.0 = off)")
-    parser.add_argument("--top-k", type=int, default=0, help="top-k sampling filter (default 0 = off)")
+    parser.add_argument("--temperature", type=non_negative, default=0.0, help="0 = greedy (default); > 0 samples")
+    parser.add_argument("--top-p", type=top_p, default=1.0, help="nucleus sampling (default 1.0 = off)")
+    parser.add_argument("--top-k", type=non_negative_int, default=0, help="top-k sampling filter (default 0 = off)")
     parser.add_argument("--methods", default=",".join(default_methods),
                         help=f"comma-separated subset of {','.join(METHODS)} (plain is always run: it is the "
                              "reference of the speedup and of the identity check; --adapter adds dflash2_adapter, "
                              "--previous-drafter dflash2_previous)")
-    parser.add_argument("--prompt-lookup-tokens", type=int, default=10,
+    parser.add_argument("--prompt-lookup-tokens", type=positive_int, default=10,
                         help="prompt_lookup_num_tokens of the prompt_lookup baseline (default 10)")
     parser.add_argument("--confidence-threshold", type=probability, default=0.7,
                         help="assistant_confidence_threshold of the dflash2_dynamic method: each drafted path is cut "
@@ -96,7 +100,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="JSONL 'prompt' strings are fed as raw text instead of one user chat message")
     parser.add_argument("--out", required=True, help="output folder")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
-    parser.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: torch's default)")
+    parser.add_argument("--num-threads", type=positive_int, default=None, help="torch CPU threads (default: torch's default)")
     add_device_argument(parser, "the target and the drafter")
     parser.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up generations")
     parser.add_argument("--no-plots", action="store_true", help="do not write the PNG plots")

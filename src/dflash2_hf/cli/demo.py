@@ -19,6 +19,7 @@ from . import (
     add_device_argument,
     add_drafter_dtype_argument,
     add_dtype_argument,
+    positive_int,
     probability,
 )
 from .generate import DEFAULT_DRAFTER
@@ -27,8 +28,8 @@ from .generate import DEFAULT_DRAFTER
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", default="smollm2")
     parser.add_argument("--drafter", default=DEFAULT_DRAFTER, help="folder, Hub id, or 'fresh'")
-    parser.add_argument("--num-prompts", type=int, default=3, help="per data set")
-    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--num-prompts", type=positive_int, default=3, help="per data set")
+    parser.add_argument("--max-new-tokens", type=positive_int, default=128)
     parser.add_argument("--datasets", default="sharegpt,humaneval")
     parser.add_argument("--out", default="runs/main", help="where results.json / results.md / plots go")
     add_dtype_argument(parser, "auto")
@@ -39,7 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "draft whose selector probability is below this value (default 0 = skip that run)")
     parser.add_argument("--no-cost-schedule", action="store_true",
                         help="skip the run whose draft length comes from the measured cost curve")
-    parser.add_argument("--num-threads", type=int, default=None,
+    parser.add_argument("--num-threads", type=positive_int, default=None,
                         help="torch CPU threads (use 1 on a busy machine: oversubscribed cores make timings noisy)")
 
 

@@ -1,7 +1,7 @@
 """Generate text from a prompt with a DFlash2 drafter (streams the text, prints tau and the time split).
 
 Example:
-    dflash2 generate --target smollm2 --drafter model_cards/dflash2-smollm2-135m-instruct \\
+    dflash2 generate --target smollm2 --drafter dflash2-smollm2-135m-instruct \\
         --prompt "Write a haiku about the sea." --max-new-tokens 64 --compare
 """
 
@@ -18,23 +18,26 @@ from . import (
     add_drafter_dtype_argument,
     add_dtype_argument,
     non_negative,
+    positive_int,
     probability,
     resolve_device,
     resolve_drafter_dtype,
     resolve_dtype,
+    top_p,
 )
 
-DEFAULT_DRAFTER = "model_cards/dflash2-smollm2-135m-instruct"
+DEFAULT_DRAFTER = "dflash2-smollm2-135m-instruct"  # the shipped drafter, found from any folder (dflash2_hf.shipped)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", default="smollm2", help="target alias (smollm2, gemma3-270m) or path / Hub id")
     parser.add_argument("--drafter", default=DEFAULT_DRAFTER,
-                        help="drafter folder or Hub id, or 'fresh' for an untrained drafter sized for the target")
+                        help="drafter folder, Hub id or shipped drafter name, or 'fresh' for an untrained drafter "
+                             "sized for the target (tau ~1: no speedup)")
     parser.add_argument("--prompt", required=True, help="user message (rendered with the target's chat template)")
-    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--max-new-tokens", type=positive_int, default=128)
     parser.add_argument("--temperature", type=non_negative, default=0.0, help="0 = greedy")
-    parser.add_argument("--top-p", type=float, default=None)
+    parser.add_argument("--top-p", type=top_p, default=None, help="nucleus sampling with --temperature > 0")
     parser.add_argument("--no-selector", action="store_true", help="top-1 path instead of the candidate selector")
     parser.add_argument("--confidence-threshold", type=probability, default=0.0,
                         help="dynamic draft length: cut each drafted path after its first draft whose probability "
@@ -48,7 +51,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_dtype_argument(parser, "auto")
     add_drafter_dtype_argument(parser, "auto", "auto")
     add_device_argument(parser, "the target and the drafter")
-    parser.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: torch's default)")
+    parser.add_argument("--num-threads", type=positive_int, default=None, help="torch CPU threads (default: torch's default)")
     parser.add_argument("--compare", action="store_true",
                         help="also run plain generate() (after a short warm-up of both) and print the speedup in "
                              "tokens/s and (greedy) whether outputs match; for side-by-side numbers over many prompts "

@@ -1,0 +1,63 @@
+"""The ``dflash2`` command's entry point, free of torch and transformers: ``dflash2 --help`` and ``dflash2 --version``
+answer at once (importing ``dflash2_hf`` loads torch and transformers, seconds on a CPU machine).
+
+A command line that names a sub-command goes to :func:`dflash2_hf.cli.main`, which imports that sub-command's module
+only. The one-line help of each sub-command is the first line of its module's docstring (a test keeps them equal).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+# sub-command -> (module of dflash2_hf.cli, one-line help)
+SUBCOMMANDS = {
+    "generate": ("generate", "Generate text from a prompt with a DFlash2 drafter (streams the text, prints tau and the "
+                             "time split)."),
+    "demo": ("demo", "The main job: the shipped drafter on the bundled real target, real prompts, text + tau + speedup."),
+    "prepare-data": ("prepare_data", "Regenerate ShareGPT assistant turns with the target (training data for the "
+                                     "drafter)."),
+    "export-data": ("export_data", "Append regenerated data to a committed, Hub-style dataset folder (Parquet shards + "
+                                   "dataset card)."),
+    "train": ("train", "Train a DFlash2 drafter on target-regenerated data (cached or online target features; torchrun "
+                       "/ accelerate DDP)."),
+    "bench": ("bench", "Benchmark DFlash2 speculative decoding against plain generate() and the other baselines."),
+}
+DESCRIPTION = ("DFlash2 speculative decoding for transformers. `dflash2 COMMAND --help` lists a command's options "
+               "with their defaults.")
+
+
+def version() -> str:
+    """The installed dflash2-hf version (from the package metadata; no torch import)."""
+    from importlib.metadata import PackageNotFoundError, version as installed
+
+    try:
+        return installed("dflash2-hf")
+    except PackageNotFoundError:
+        return "unknown (not installed: pip install -e .)"
+
+
+def add_top_level_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--version", action="version", version=f"dflash2 {version()}")
+
+
+def light_parser() -> argparse.ArgumentParser:
+    """The top-level parser with one entry per sub-command and no sub-command options (those load with it)."""
+    parser = argparse.ArgumentParser(prog="dflash2", description=DESCRIPTION)
+    add_top_level_arguments(parser)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (_, help_line) in SUBCOMMANDS.items():
+        sub.add_parser(name, help=help_line, add_help=False)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``dflash2 [--help | --version | COMMAND ...]``."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    command = next((arg for arg in argv if not arg.startswith("-")), None)
+    if command in SUBCOMMANDS:
+        from dflash2_hf.cli import main as run
+
+        return run(argv)
+    light_parser().parse_args(argv)  # prints help / version / the error, and exits
+    return 2

@@ -1,0 +1,103 @@
+"""The `dflash2` command's surface: a fast torch-free --help, --version, python -m dflash2_hf, defaults in every
+--help, every option checked before any model loads, one name for the output folder (issue 40)."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import dflash2_cli
+from dflash2_hf.cli import build_parser, main
+
+CLI = Path(__file__).resolve().parents[1] / "src" / "dflash2_hf" / "cli"
+
+
+def test_top_level_help_imports_no_torch():
+    code = ("import sys, dflash2_cli\ntry:\n    dflash2_cli.main(['--help'])\nexcept SystemExit:\n    pass\n"
+            "assert 'torch' not in sys.modules and 'transformers' not in sys.modules, 'heavy import'")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "usage: dflash2" in done.stdout and "bench" in done.stdout
+
+
+def test_top_level_help_takes_under_a_second():
+    best = float("inf")
+    for _ in range(3):  # best of three: the machine may be busy
+        start = time.perf_counter()
+        subprocess.run([sys.executable, "-c", "import dflash2_cli; dflash2_cli.main(['--help'])"], capture_output=True,
+                       check=False)
+        best = min(best, time.perf_counter() - start)
+    assert best < 1.0
+
+
+def test_help_lines_match_the_modules():
+    for name, (module, line) in dflash2_cli.SUBCOMMANDS.items():
+        doc = ast.get_docstring(ast.parse((CLI / f"{module}.py").read_text()))
+        assert doc.strip().splitlines()[0] == line, name
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as done:
+        dflash2_cli.main(["--version"])
+    assert done.value.code == 0 and capsys.readouterr().out.strip() == f"dflash2 {dflash2_cli.version()}"
+    import dflash2_hf
+
+    assert dflash2_cli.version() == dflash2_hf.__version__
+
+
+def test_python_dash_m():
+    done = subprocess.run([sys.executable, "-m", "dflash2_hf", "--version"], capture_output=True, text=True)
+    assert done.returncode == 0 and done.stdout.startswith("dflash2 "), done.stderr
+
+
+@pytest.mark.parametrize("command, expected", [
+    (["demo"], ["--max-new-tokens MAX_NEW_TOKENS\n                        (default: 128)", "(default: smollm2)"]),
+    (["generate", "--prompt", "x"], ["(default: dflash2-smollm2-135m-instruct)"]),
+    (["bench", "--drafter", "x", "--out", "y"], ["(default 10)", "(default: sharegpt,humaneval)"]),
+])
+def test_help_shows_defaults(capsys, command, expected):
+    with pytest.raises(SystemExit):
+        main([command[0], "--help"])
+    text = capsys.readouterr().out
+    flat = " ".join(text.split())  # argparse wraps long lines
+    for part in expected:
+        assert part in text or " ".join(part.split()) in flat, part
+    assert "--output" not in text  # the refused old spelling stays out of the help
+
+
+@pytest.fixture
+def no_model_loads(monkeypatch):
+    import dflash2_hf.targets
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model was loaded before the options were checked")
+
+    monkeypatch.setattr(dflash2_hf.targets, "load_target", refuse)
+
+
+@pytest.mark.parametrize("argv, problem", [
+    (["demo", "--max-new-tokens", "-1"], "--max-new-tokens: must be >= 1; got -1"),
+    (["demo", "--num-threads", "0"], "--num-threads: must be >= 1; got 0"),
+    (["demo", "--num-prompts", "two"], "--num-prompts: not a whole number: 'two'"),
+    (["generate", "--prompt", "x", "--max-new-tokens", "-1"], "--max-new-tokens: must be >= 1"),
+    (["generate", "--prompt", "x", "--top-p", "2"], "--top-p: must be in (0, 1]"),
+    (["generate", "--prompt", "x", "--num-threads", "0"], "--num-threads: must be >= 1"),
+    (["bench", "--drafter", "d", "--out", "o", "--top-p", "0"], "--top-p: must be in (0, 1]"),
+    (["bench", "--drafter", "d", "--out", "o", "--top-k", "-1"], "--top-k: must be >= 0"),
+    (["bench", "--drafter", "d", "--out", "o", "--temperature", "-0.5"], "--temperature: must be >= 0"),
+    (["bench", "--drafter", "d", "--out", "o", "--num-prompts", "0"], "--num-prompts: must be >= 1"),
+    (["bench", "--drafter", "d", "--out", "o", "--prompt-lookup-tokens", "0"], "--prompt-lookup-tokens: must be >= 1"),
+    (["bench", "--drafter", "d", "--output", "o"], "--output is spelled --out in this command"),
+    (["demo", "--output-dir", "o"], "--output-dir is spelled --out in this command"),
+])
+def test_options_checked_before_any_model_loads(no_model_loads, capsys, argv, problem):
+    with pytest.raises(SystemExit) as done:
+        main(argv)
+    assert done.value.code == 2
+    err = capsys.readouterr().err
+    assert problem in err and len(err.strip().splitlines()[-1]) < 200
