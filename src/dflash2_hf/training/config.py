@@ -40,6 +40,10 @@ RECIPE_DEFAULTS = dict(
     remove_unused_columns=False,  # the collator needs every item field
     dataloader_num_workers=0,  # online features run the target in the training process
     dataloader_pin_memory=torch.cuda.is_available(),  # pinned host memory speeds up the feature copies to a GPU
+    # every drafter parameter gets a gradient every step (drafter_loss adds 0 * the selector loss when it is off), and
+    # the loss reads the selector outside DDP's forward: the unused-parameter search would mark it ready twice
+    ddp_find_unused_parameters=False,
+    use_cpu=not torch.cuda.is_available(),  # on a CPU-only machine: torchrun / accelerate then run CPU DDP (gloo)
     seed=0,
 )
 
@@ -230,8 +234,7 @@ class DFlash2TrainingArguments(TrainingArguments):
 def default_training_arguments(output_dir: str, **overrides) -> DFlash2TrainingArguments:
     """:data:`RECIPE_DEFAULTS` (AdamW 6e-4, cosine, 4% warm-up, clip 1.0, no external reporting) for ``output_dir``;
     ``overrides`` replace any field (e.g. ``max_steps=2000, bf16=True``)."""
-    kw = dict(RECIPE_DEFAULTS, output_dir=output_dir, save_steps=200,
-              use_cpu=not torch.cuda.is_available(), dataloader_pin_memory=torch.cuda.is_available())
+    kw = dict(RECIPE_DEFAULTS, output_dir=output_dir, save_steps=200)
     kw.update(overrides)
     return DFlash2TrainingArguments(**kw)
 

@@ -58,6 +58,8 @@ def load_training_records(
         train_only: for ShareGPT-derived folders, drop records outside the training range ``[0, 16000)``
             (dev / held-out records must never be trained on; DESIGN.md section 7). ``False`` asks for
             evaluation records: of a committed dataset folder (``dflash2 export-data``) that is its ``dev`` split.
+            A dataset folder with no ``train`` split (e.g. ``...-code-validation``) trains on its ``dev`` records,
+            with a warning.
 
     Raises:
         FileNotFoundError: ``data_dir`` holds no prepared shards yet.
@@ -65,9 +67,13 @@ def load_training_records(
     from ..data import TRAIN_RANGE, load_prepared
     from ..data.hub_dataset import is_dataset_folder, load_dataset_folder
 
-    held_out = not train_only and is_dataset_folder(data_dir)
-    recs = [normalize_record(r) for r in (load_dataset_folder(data_dir, split="dev") if held_out
-                                          else load_prepared(data_dir))]
+    folder = is_dataset_folder(data_dir)
+    raw = load_dataset_folder(data_dir, split="dev") if folder and not train_only else load_prepared(data_dir)
+    if folder and train_only and not raw:  # a folder of held-out records only, named as training data on purpose
+        raw = load_dataset_folder(data_dir, split="dev")
+        logger.warning("%s has no train split: training on its %d dev (held-out) records; never evaluate the "
+                       "result on this folder", data_dir, len(raw))
+    recs = [normalize_record(r) for r in raw]
     if train_only:
         kept = [r for r in recs if TRAIN_RANGE[0] <= r["record_id"] < TRAIN_RANGE[1]]
         if len(kept) != len(recs):

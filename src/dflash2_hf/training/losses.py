@@ -210,7 +210,8 @@ def drafter_loss(
             sel_ce = F.cross_entropy(scores[hit], target_idx[hit], reduction="none")
             sel_loss = (w_hit * sel_ce).sum() / w_hit.sum()
             sel_sum, sel_w = (w_hit * sel_ce).double().sum().detach().cpu(), w_hit.double().sum().cpu()
-        else:
+        else:  # 0, still through the selector: every parameter gets a gradient (DDP without unused-parameter search)
+            sel_loss = 0.0 * scores.sum()
             sel_sum = sel_w = torch.zeros((), dtype=torch.float64)
         with torch.no_grad():
             pick = top_ids.gather(-1, scores.argmax(-1, keepdim=True)).squeeze(-1)
