@@ -70,6 +70,38 @@ def top_p(text: str) -> float:
     return _number(text, lambda v: 0 < v <= 1, "in (0, 1] (1 = off)")
 
 
+def drafter_spec(text: str) -> str:
+    """argparse type of ``--drafter``: ``fresh``, a folder, a shipped drafter's name or a Hub id; a missing path that
+    looks local (``./x``, ``runs/x/y``) or a shipped name whose folder is not here is refused before any model loads."""
+    import os
+
+    from ..hub import is_local_path
+    from ..shipped import SHIPPED_DRAFTER, resolve_name_or_path
+
+    if text == "fresh":
+        return text
+    try:
+        path = resolve_name_or_path(text)
+    except (OSError, ValueError) as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    if not os.path.exists(path) and is_local_path(path):
+        raise argparse.ArgumentTypeError(f"no drafter folder at {text!r}: pass a folder, a Hub id (org/name), the "
+                                         f"shipped {SHIPPED_DRAFTER!r}, or 'fresh'")
+    return text
+
+
+def dataset_list(text: str) -> str:
+    """argparse type of ``--datasets``: comma-separated ``sharegpt``, ``humaneval`` or paths of existing JSONL files."""
+    import os
+
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in ("sharegpt", "humaneval") and not os.path.isfile(name)]
+    if not names or unknown:
+        raise argparse.ArgumentTypeError(f"unknown data set(s) {unknown or [text]}: use sharegpt, humaneval or paths "
+                                         "of JSONL files, comma-separated")
+    return text
+
+
 def device_spec(text: str) -> str:
     """argparse type of a ``--device`` value: ``auto``, ``cpu``, ``cuda`` or ``cuda:N``."""
     if text in ("auto", "cpu", "cuda") or (text.startswith("cuda:") and text[5:].isdigit()):

@@ -28,6 +28,8 @@ from . import (
     add_device_argument,
     add_drafter_dtype_argument,
     add_dtype_argument,
+    dataset_list,
+    drafter_spec,
     non_negative,
     non_negative_bound,
     non_negative_int,
@@ -50,13 +52,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     default_methods = [m for m in METHODS if m not in OWN_DRAFTER_METHODS]
     parser.add_argument("--target", default="smollm2",
                         help="target alias (smollm2, gemma3-270m) or a local transformers folder (default: smollm2)")
-    parser.add_argument("--drafter", required=True,
+    parser.add_argument("--drafter", required=True, type=drafter_spec,
                         help="drafter folder or Hub id, or 'fresh' for an untrained drafter built for the target "
                              "(tau ~ 1: only for trying the harness)")
     parser.add_argument("--adapter", default=None,
                         help="a LoRA adapter folder for --drafter (dflash2 train --lora): adds the method "
                              "dflash2_adapter (drafter + adapter, merged) next to the others, measured in the same run")
-    parser.add_argument("--previous-drafter", default=None, metavar="DRAFTER",
+    parser.add_argument("--previous-drafter", default=None, metavar="DRAFTER", type=drafter_spec,
                         help="another drafter for the same target (folder or Hub id), e.g. the previous release: adds "
                              "the method dflash2_previous (full blocks, selector on) measured in the same run, so "
                              "tau, per-position acceptance and speedup of both are compared side by side")
@@ -67,7 +69,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--adapter-no-strict", action="store_true",
                         help="load --adapter even if it was trained on other weights of a same-shaped drafter "
                              "(default: refuse)")
-    parser.add_argument("--datasets", default="sharegpt,humaneval",
+    parser.add_argument("--datasets", default="sharegpt,humaneval", type=dataset_list,
                         help="comma-separated: 'sharegpt' (ShareGPT dev records 16000-16999, first human turn), "
                              "'humaneval', or paths of JSONL files with a 'prompt' string or a chat 'messages' list "
                              "per line (default: sharegpt,humaneval)")

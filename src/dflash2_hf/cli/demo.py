@@ -19,6 +19,8 @@ from . import (
     add_device_argument,
     add_drafter_dtype_argument,
     add_dtype_argument,
+    dataset_list,
+    drafter_spec,
     positive_int,
     probability,
 )
@@ -27,10 +29,11 @@ from .generate import DEFAULT_DRAFTER
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", default="smollm2")
-    parser.add_argument("--drafter", default=DEFAULT_DRAFTER, help="folder, Hub id, or 'fresh'")
+    parser.add_argument("--drafter", default=DEFAULT_DRAFTER, type=drafter_spec,
+                        help="folder, Hub id, shipped drafter name, or 'fresh' (untrained: tau ~1)")
     parser.add_argument("--num-prompts", type=positive_int, default=3, help="per data set")
     parser.add_argument("--max-new-tokens", type=positive_int, default=128)
-    parser.add_argument("--datasets", default="sharegpt,humaneval")
+    parser.add_argument("--datasets", default="sharegpt,humaneval", type=dataset_list)
     parser.add_argument("--out", default="runs/main", help="where results.json / results.md / plots go")
     add_dtype_argument(parser, "auto")
     add_drafter_dtype_argument(parser, "auto", "auto")

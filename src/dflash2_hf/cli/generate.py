@@ -17,6 +17,7 @@ from . import (
     add_device_argument,
     add_drafter_dtype_argument,
     add_dtype_argument,
+    drafter_spec,
     non_negative,
     positive_int,
     probability,
@@ -31,7 +32,7 @@ DEFAULT_DRAFTER = "dflash2-smollm2-135m-instruct"  # the shipped drafter, found 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", default="smollm2", help="target alias (smollm2, gemma3-270m) or path / Hub id")
-    parser.add_argument("--drafter", default=DEFAULT_DRAFTER,
+    parser.add_argument("--drafter", default=DEFAULT_DRAFTER, type=drafter_spec,
                         help="drafter folder, Hub id or shipped drafter name, or 'fresh' for an untrained drafter "
                              "sized for the target (tau ~1: no speedup)")
     parser.add_argument("--prompt", required=True, help="user message (rendered with the target's chat template)")

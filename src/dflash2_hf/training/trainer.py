@@ -326,7 +326,8 @@ class DFlash2Trainer(Trainer):
         super()._save(output_dir, state_dict=state_dict)
         from peft import PeftModel
 
-        if isinstance(self.model, PeftModel):  # checkpoints of a LoRA run carry the base fingerprint too
+        if isinstance(self.model, PeftModel) and self.args.should_save:  # LoRA checkpoints carry the base fingerprint
+            # (the Trainer calls _save on every rank; only the main process writes)
             from ..lora import write_fingerprint
 
             write_fingerprint(self.model, output_dir or self.args.output_dir)
