@@ -94,6 +94,11 @@ def no_model_loads(monkeypatch):
     (["bench", "--drafter", "d", "--out", "o", "--prompt-lookup-tokens", "0"], "--prompt-lookup-tokens: must be >= 1"),
     (["bench", "--drafter", "d", "--output", "o"], "--output is spelled --out in this command"),
     (["demo", "--output-dir", "o"], "--output-dir is spelled --out in this command"),
+    (["demo", "--drafter", "./no-such-drafter"], "--drafter: no drafter folder at './no-such-drafter'"),
+    (["generate", "--prompt", "x", "--drafter", "a/b/c"], "--drafter: no drafter folder at 'a/b/c'"),
+    (["bench", "--drafter", "fresh", "--out", "o", "--previous-drafter", "/no/such"], "no drafter folder at '/no/such'"),
+    (["demo", "--datasets", "sharegpt,humanevl"], "--datasets: unknown data set(s) ['humanevl']"),
+    (["bench", "--drafter", "fresh", "--out", "o", "--datasets", "missing.jsonl"], "unknown data set(s) ['missing.jsonl']"),
 ])
 def test_options_checked_before_any_model_loads(no_model_loads, capsys, argv, problem):
     with pytest.raises(SystemExit) as done:
@@ -101,3 +106,14 @@ def test_options_checked_before_any_model_loads(no_model_loads, capsys, argv, pr
     assert done.value.code == 2
     err = capsys.readouterr().err
     assert problem in err and len(err.strip().splitlines()[-1]) < 200
+
+
+def test_good_values_parse(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "mine.jsonl").write_text('{"prompt": "hi"}\n')
+    args = build_parser("bench").parse_args(["bench", "--drafter", "dflash2-smollm2-135m-instruct", "--out", "o",
+                                             "--datasets", "humaneval,mine.jsonl", "--top-p", "1", "--top-k", "0"])
+    assert (args.drafter, args.datasets, args.top_p, args.top_k) == ("dflash2-smollm2-135m-instruct",
+                                                                     "humaneval,mine.jsonl", 1.0, 0)
+    assert build_parser("demo").parse_args(["demo"]).drafter == "dflash2-smollm2-135m-instruct"
+    assert build_parser("generate").parse_args(["generate", "--prompt", "x", "--drafter", "org/name"]).drafter == "org/name"
