@@ -88,3 +88,11 @@ def test_llama_folder_is_not_a_drafter(llama, tmp_path, capfd):
         DFlash2DraftModel.from_pretrained(tmp_path / "llama")
     printed = capfd.readouterr()
     assert "LOAD REPORT" not in printed.out + printed.err  # refused before transformers reads the weights
+
+
+def test_published_config_errors_are_ours_too():
+    published = {"model_type": "qwen3", "architectures": ["DFlash2DraftModel"], "num_target_layers": 6,
+                 "hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 1, "vocab_size": 96,
+                 "dflash_config": {"block_size": "16", "mask_token_id": 0, "target_layer_ids": [1]}}
+    with pytest.raises(DrafterConfigError, match="block_size"):
+        DFlash2Config.from_dict(published)

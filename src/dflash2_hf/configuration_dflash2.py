@@ -322,11 +322,16 @@ class DFlash2Config(PreTrainedConfig):
         translate_published`, DESIGN.md section 6).
 
         Raises:
-            ValueError: an unknown architecture, no ``num_target_layers`` / ``mask_token_id``, a field or layer
+            DrafterConfigError (a ValueError): an unknown architecture, no ``num_target_layers`` / ``mask_token_id``, a field or layer
                 type we do not implement, or an ``is_causal`` / ``dflash_config.causal`` that is not a boolean or
                 that contradict each other.
         """
-        return translate_published(config_dict, set(DFlash2Config.__dataclass_fields__))
+        try:
+            return translate_published(config_dict, set(DFlash2Config.__dataclass_fields__))
+        except DFlash2Error:
+            raise
+        except ValueError as err:
+            raise DrafterConfigError(f"published DFlash config: {err}") from err
 
 
 def _our_errors(method):
