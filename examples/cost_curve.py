@@ -15,6 +15,7 @@ picks it; the first line says which and why); compare fp32 and bf16 targets with
 
     PYTHONPATH=src python examples/cost_curve.py --num-threads 1
     PYTHONPATH=src python examples/cost_curve.py --num-threads 2 --dtype bf16
+    PYTHONPATH=src python examples/cost_curve.py --num-threads 2 --cpu-kernels stock   # without optimize_for_cpu
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import torch
 import dflash2_hf  # noqa: F401
 from dflash2_hf import GenerationStats
 from dflash2_hf.bench import load_bench_prompts, load_drafter
-from dflash2_hf.cli import DTYPES, resolve_dtype
+from dflash2_hf.cli import DTYPES, apply_cpu_kernels, resolve_dtype
 from dflash2_hf.generation.candidate_generator import DFlash2CandidateGenerator
 from dflash2_hf.quantization import int8_support
 from dflash2_hf.targets import load_target
@@ -53,6 +54,8 @@ def main() -> None:
     parser.add_argument("--sizes", default="1,2,3,4,6,8,12,16", help="verification lengths n (tokens per forward)")
     parser.add_argument("--dtype", default="auto", choices=DTYPES,
                         help="target dtype (default auto: bf16 where this CPU computes it natively, else fp32)")
+    parser.add_argument("--cpu-kernels", default="optimized", choices=("optimized", "stock"),
+                        help="target and drafters on prepacked oneDNN linears (dflash2_hf.optimize_for_cpu) or stock")
     args = parser.parse_args()
     torch.set_num_threads(args.num_threads)
 
@@ -64,6 +67,7 @@ def main() -> None:
                 for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16))}
     if int8_support("cpu")[0]:
         drafters["int8"] = load_drafter(args.drafter, target, int8=True)
+    kernels = apply_cpu_kernels(args.cpu_kernels, target, *drafters.values())
     layers = [i + 1 for i in drafters["fp32"].config.target_layer_ids]
     block = drafters["fp32"].config.block_size
 
@@ -109,7 +113,7 @@ def main() -> None:
     decode = verify_ms[1]
 
     print(f"target {args.target} in {dtype_label}, prompt {prompt_len} tokens, torch threads {args.num_threads}, "
-          f"median of {args.repeats}")
+          f"median of {args.repeats}; {kernels}")
     print(f"drafter proposal of a full block (B={block}), context cached: "
           + ", ".join(f"{name} {ms:.1f} ms ({ms / decode:.2f} decode steps)" for name, ms in draft_ms.items()))
     best_draft = min(draft_ms.values())

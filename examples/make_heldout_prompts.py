@@ -3,6 +3,7 @@
 * ``sharegpt``: the first human turn of ShareGPT development records ``[--start, --start + n)`` (default 16500:
   the teacher-forced evaluations of training read [16000, 16200), so these were never used for tuning; records
   from 17000 on are never read).
+  ``--test-set --start 17000``: the held-out test records, for reporting a release once.
 * ``code``: "complete this function" prompts (the HumanEval instruction wording) built from documented public
   functions of THIRD-PARTY libraries installed next to this package (networkx, jinja2, click, fsspec, ...): code
   that is neither HumanEval nor the standard library the code LoRA adapter trains on.
@@ -46,7 +47,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out-dir", required=True)
     parser.add_argument("--num-prompts", type=int, default=20)
-    parser.add_argument("--start", type=int, default=16500, help="first ShareGPT dev record (< 17000)")
+    parser.add_argument("--start", type=int, default=16500,
+                        help="first ShareGPT record (< 17000: development records; 17000 or more needs --test-set)")
+    parser.add_argument("--test-set", action="store_true",
+                        help="allow ShareGPT records from 17000 on (the held-out test range: report a release on "
+                             "them once, never choose or tune with them)")
     parser.add_argument("--max-chars", type=int, default=1200, help="skip code stubs longer than this")
     parser.add_argument("--validation-out", default=None,
                         help="also write a code validation set (ShareGPT-format JSON) from VALIDATION_LIBRARIES")
@@ -54,7 +59,9 @@ def main() -> None:
     args = parser.parse_args()
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    chat = sharegpt_prompts(args.start, min(args.start + 4 * args.num_prompts, 17000))[: args.num_prompts]
+    stop = args.start + 4 * args.num_prompts
+    chat = sharegpt_prompts(args.start, stop if args.test_set else min(stop, 17000),
+                            allow_heldout=args.test_set)[: args.num_prompts]
     with open(out / f"sharegpt-{args.start}.jsonl", "w", encoding="utf-8") as f:
         for rid, text in chat:
             f.write(json.dumps({"id": f"sharegpt-{rid}", "prompt": text}) + "\n")

@@ -103,10 +103,15 @@ def _check_files(out, results, methods):
 def test_bench_greedy(models, adapted, previous, prompts, tmp_path):
     target, drafter = models
     settings = BenchSettings(max_new_tokens=NEW, methods=METHODS, warmup_tokens=3, progress=False)
-    results = run_benchmark(target, drafter, prompts, settings, out_dir=tmp_path,
-                            meta={"target": "tiny-llama", "adapter": "a/b", "adapter_bytes": 1000,
-                                  "drafter_bytes": 10000, "previous_drafter": "old/release"},
-                            adapted_drafter=adapted, previous_drafter=previous)
+    optimize_for_cpu(target)  # plain_optimized needs it; plain still runs on stock kernels
+    try:
+        results = run_benchmark(target, drafter, prompts, settings, out_dir=tmp_path,
+                                meta={"target": "tiny-llama", "adapter": "a/b", "adapter_bytes": 1000,
+                                      "drafter_bytes": 10000, "previous_drafter": "old/release",
+                                      "cpu_kernels": cpu_kernels_summary(target)},
+                                adapted_drafter=adapted, previous_drafter=previous)
+    finally:
+        restore_stock_kernels(target)
     data = _check_files(tmp_path, results, METHODS)
     md = (tmp_path / "results.md").read_text()
     assert "LoRA adapter (method `dflash2_adapter`): `a/b` (0.00 MB = 10.0% of the drafter's" in md
@@ -129,6 +134,21 @@ def test_bench_greedy(models, adapted, previous, prompts, tmp_path):
     assert drafter.use_selector is True  # restored after dflash2_top1
     pl = next(r for r in data["aggregates"] if r["dataset"] == "rep" and r["method"] == "prompt_lookup")
     assert pl["per_position_acceptance"] is not None
+    assert "vs plain_optimized" in md and "every other method on prepacked oneDNN linears" in md
+    optimized = next(r for r in data["aggregates"] if r["dataset"] == "all" and r["method"] == "plain_optimized")
+    assert optimized["speedup_vs_plain_optimized"] == pytest.approx(1.0)
+    assert optimized["tau"] == 1.0 and optimized["per_position_acceptance"] is None
+    # the prompt "rep" repeats itself: the loop copied from it in some cycle, and only where lookup is on
+    copied = {m: sum(r["generation_stats"]["copied_cycles"] for r in data["records"] if r["method"] == m)
+              for m in ("dflash2", "dflash2_no_lookup")}
+    assert copied["dflash2"] > 0 and copied["dflash2_no_lookup"] == 0
+
+
+def test_plain_optimized_needs_an_optimized_target(models, prompts):
+    target, drafter = models
+    settings = BenchSettings(max_new_tokens=2, methods=("plain", "plain_optimized"), warmup=False, progress=False)
+    with pytest.raises(ValueError, match="plain_optimized needs a target run through dflash2_hf.optimize_for_cpu"):
+        run_benchmark(target, drafter, prompts, settings)
 
 
 def test_dynamic_method_cuts_drafts_and_restores_the_drafter_knobs(models, prompts, tmp_path):

@@ -16,6 +16,7 @@ from dflash2_hf.generation.draft_length import (
     CostCurve,
     DraftLengthPolicy,
     cost_schedule_state,
+    curve_key,
     measure_cost_curve,
 )
 
@@ -26,9 +27,7 @@ def _prompt(length: int, seed: int) -> torch.LongTensor:
 
 def _install_curve(drafter, target, verify_seconds: dict[int, float]) -> None:
     """Gives the drafter a cost curve for ``target`` (as policy_for would measure it) so choices are deterministic."""
-    param = next(target.parameters())
-    key = (str(param.dtype), str(param.device), torch.get_num_threads())
-    cost_schedule_state(drafter, target)["curves"][key] = CostCurve(verify_seconds, label="test curve")
+    cost_schedule_state(drafter, target)["curves"][curve_key(target)] = CostCurve(verify_seconds, label="test curve")
 
 
 def test_choice_maximises_expected_tokens_per_second():

@@ -9,6 +9,7 @@ from transformers import AutoConfig, AutoModel
 
 from . import errors, generation
 from .configuration_dflash2 import DFlash2Config
+from .cpu_kernels import optimize_for_cpu, restore_stock_kernels
 from .errors import (
     CheckpointError,
     DFlash2Error,
@@ -77,7 +78,9 @@ __all__ = [
     "load_adapted_drafter",
     "load_adapter",
     "load_target",
+    "optimize_for_cpu",
     "quantize_drafter",
+    "restore_stock_kernels",
     "save_adapter",
     "shipped_drafter_path",
     "target_dtype",

@@ -82,12 +82,15 @@ class Divergence:
 
 
 def classify(scores: torch.Tensor | None, position: int, plain_token: int | None, other_token: int | None,
-             dtype: torch.dtype, bound_ulps: float = NEAR_TIE_ULPS, judge: bool = True) -> Divergence:
+             dtype: torch.dtype, bound_ulps: float = NEAR_TIE_ULPS, judge: bool = True,
+             fp32_identity: bool = True) -> Divergence:
     """Classifies one divergence from plain's processed scores ``scores`` (``(V,)``, any float dtype) at ``position``.
 
     ``dtype``: the dtype whose rounding may explain it (the target's). ``judge``: True for a lossless method against
     plain greedy: in float32 any divergence is a bug (token identity is the contract there), elsewhere any that is
     not a near-tie; False only measures (the bf16-vs-fp32 calibration: ``"near-tie"`` or ``"beyond rounding"``).
+    ``fp32_identity=False``: the method ran on other kernels than plain (``optimize_for_cpu``'s prepacked linears
+    round differently from stock ones), so float32 divergences are judged by the near-tie rule in float32 ulps too.
     """
     name = str(dtype).replace("torch.", "")
     if scores is None or plain_token is None or other_token is None:
@@ -100,7 +103,7 @@ def classify(scores: torch.Tensor | None, position: int, plain_token: int | None
     top2 = s.topk(2).values
     margin = (s[plain_token] - s[other_token]).item()
     rank = int((s > s[other_token]).sum().item()) + 1
-    fp32_contract = judge and dtype == torch.float32
+    fp32_contract = judge and dtype == torch.float32 and fp32_identity
     near = margin <= bound_ulps * unit and not fp32_contract
     ulps = margin / unit if math.isfinite(margin) else math.inf
     if fp32_contract:
@@ -138,10 +141,11 @@ def plain_scores(target, input_ids: torch.LongTensor, plain_ids: Sequence[int], 
 
 def explain_divergences(target, input_ids: torch.LongTensor, plain_ids: Sequence[int],
                         others: dict[str, Sequence[int]], generate_kwargs: dict | None = None,
-                        bound_ulps: float = NEAR_TIE_ULPS) -> dict[str, Divergence]:
+                        bound_ulps: float = NEAR_TIE_ULPS, fp32_identity: bool = True) -> dict[str, Divergence]:
     """A :class:`Divergence` for every output in ``others`` (``{name: new token ids}``) not identical to
     ``plain_ids`` (plain greedy's new tokens for ``input_ids``, ``(1, T)``), from ONE re-run of plain greedy up to the
-    latest first difference. Identical outputs get no entry. The target's parameter dtype decides the rounding.
+    latest first difference. Identical outputs get no entry. The target's parameter dtype decides the rounding;
+    ``fp32_identity``: see :func:`classify`.
     """
     dtype = next(target.parameters()).dtype
     positions = {name: first_difference(plain_ids, ids) for name, ids in others.items()}
@@ -161,7 +165,7 @@ def explain_divergences(target, input_ids: torch.LongTensor, plain_ids: Sequence
                                       str(dtype).replace("torch.", ""), bound_ulps, False, "bug",
                                       "plain greedy did not reproduce its own tokens on a re-run: cannot classify")
             continue
-        result[name] = classify(row, j, plain_token, other_token, dtype, bound_ulps)
+        result[name] = classify(row, j, plain_token, other_token, dtype, bound_ulps, fp32_identity=fp32_identity)
     return result
 
 
@@ -169,7 +173,18 @@ def annotate_records(target, records: list, prompts: dict, generate_kwargs: dict
                      bound_ulps: float = NEAR_TIE_ULPS) -> None:
     """Sets ``record.divergence`` (a :meth:`Divergence.to_dict`) on every greedy bench record
     (:class:`~dflash2_hf.bench.RawRecord`) whose output is not identical to plain's on the same prompt; one plain
-    re-run per prompt that has any. ``prompts``: ``{data set: [Prompt, ...]}`` of the run."""
+    re-run per prompt that has any. ``prompts``: ``{data set: [Prompt, ...]}`` of the run.
+
+    Plain ran on stock kernels (:mod:`dflash2_hf.cpu_kernels`), so it is re-run on them; where ``target`` is
+    optimized the other methods ran on prepacked kernels, and float32 divergences are judged by the near-tie rule."""
+    from ..cpu_kernels import is_optimized, stock_kernels
+
+    fp32_identity = not is_optimized(target)
+    with stock_kernels(target):
+        _annotate(target, records, prompts, generate_kwargs, bound_ulps, fp32_identity)
+
+
+def _annotate(target, records, prompts, generate_kwargs, bound_ulps, fp32_identity) -> None:
     device = next(target.parameters()).device
     by_key = {(name, p.prompt_id): p for name, plist in prompts.items() for p in plist}
     groups: dict = {}
@@ -182,7 +197,7 @@ def annotate_records(target, records: list, prompts: dict, generate_kwargs: dict
             continue
         ids = torch.tensor([by_key[key].input_ids], device=device)
         found = explain_divergences(target, ids, plain.output_ids, {r.method: r.output_ids for r in diverged},
-                                    generate_kwargs, bound_ulps)
+                                    generate_kwargs, bound_ulps, fp32_identity)
         for rec in diverged:
             rec.divergence = found[rec.method].to_dict()
 

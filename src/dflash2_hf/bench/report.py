@@ -14,7 +14,7 @@ from ..generation.draft_length import CostCurve
 from ..generation.stats import GenerationStats
 from .fidelity import divergence_counts, divergence_lines, identity_cell
 from .recorder import per_position_rates
-from .runner import METHOD_DESCRIPTIONS, STATS_METHODS, RawRecord
+from .runner import METHOD_DESCRIPTIONS, PLAIN_METHODS, STATS_METHODS, RawRecord
 
 ALL = "all"  # pseudo data set pooling every prompt
 
@@ -41,7 +41,7 @@ def aggregate(records: list[RawRecord], methods: tuple, block_size: int | None, 
         groups.append((ALL, list(records)))
     rows = []
     for dataset, recs in groups:
-        plain_tps = None
+        plain_tps = optimized_tps = None
         for method in methods:
             rs = [r for r in recs if r.method == method]
             if not rs:
@@ -51,12 +51,15 @@ def aggregate(records: list[RawRecord], methods: tuple, block_size: int | None, 
             tps = new / secs if secs > 0 else None
             if method == "plain":
                 plain_tps = tps
+            elif method == "plain_optimized":
+                optimized_tps = tps
             fw_cycles = sum(r.forwards["cycles"] for r in rs)
             fw_tau = _div(sum(r.new_tokens - 1 for r in rs if r.forwards["cycles"]), fw_cycles)
             row = {
                 "dataset": dataset, "method": method, "num_prompts": len(rs), "new_tokens": new, "seconds": secs,
                 "tokens_per_second": tps,
                 "speedup": (tps / plain_tps) if (tps and plain_tps) else None,
+                "speedup_vs_plain_optimized": (tps / optimized_tps) if (tps and optimized_tps) else None,
                 "mean_prompt_speedup": None,
                 "tau_from_forwards": fw_tau,
                 "target_forwards": sum(r.forwards["target_forwards"] for r in rs),
@@ -84,14 +87,16 @@ def aggregate(records: list[RawRecord], methods: tuple, block_size: int | None, 
                 cycles = fw_cycles
                 drafts = [x for r in rs for x in (r.forwards["drafts"] or [])]
                 accepted = [x for r in rs for x in (r.forwards["accepted"] or [])]
-                if method == "plain":
+                if method in PLAIN_METHODS:
                     acceptance = None
                 else:
                     max_pos = (block_size - 1) if method == "builtin_dflash" and block_size else (
                         prompt_lookup_num_tokens if method == "prompt_lookup" else None)
                     acceptance = per_position_rates(drafts, accepted, max_pos) if drafts else None
-                row.update(tau=fw_tau if method != "plain" else (1.0 if cycles else None), tau_source="target_forwards",
-                           mean_draft_length=(sum(drafts) / len(drafts)) if drafts and method != "plain" else None,
+                row.update(tau=fw_tau if method not in PLAIN_METHODS else (1.0 if cycles else None),
+                           tau_source="target_forwards",
+                           mean_draft_length=(sum(drafts) / len(drafts)) if drafts and method not in PLAIN_METHODS
+                           else None,
                            per_position_acceptance=acceptance, acceptance_source="target_forwards",
                            split_source="forward_hooks")
                 prefill = sum(r.forwards["prefill_seconds"] for r in rs)
@@ -210,21 +215,26 @@ def markdown(results: dict) -> str:
     warning = load_warning(env)
     if warning:
         lines.append(f"- **{warning}**")
+    if meta.get("cpu_kernels"):
+        lines.append(f"- kernels: `plain` on stock PyTorch kernels, every other method on {meta['cpu_kernels']}")
+    vs_optimized = any(r.get("speedup_vs_plain_optimized") for r in results["aggregates"])
     lines += [
         "",
-        "| data set | method | tok/s | speedup | tau | drafts | identical | draft ms | select ms | verify ms "
-        "| rest ms | prefill ms |",
-        "|---|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|",
+        "| data set | method | tok/s | speedup | " + ("vs plain_optimized | " if vs_optimized else "")
+        + "tau | drafts | identical | draft ms | select ms | verify ms | rest ms | prefill ms |",
+        "|---|---|---:|---:|" + ("---:|" if vs_optimized else "") + "---:|---:|---|---:|---:|---:|---:|---:|",
     ]
     for row in results["aggregates"]:
         split = row["time_split_ms_per_cycle"]
         ident = identity_cell(row)
-        dagger = "" if row["tau_source"] == "generation_stats" or row["method"] == "plain" else "†"
+        dagger = "" if row["tau_source"] == "generation_stats" or row["method"] in PLAIN_METHODS else "†"
         tau = _fmt(row["tau"]) + dagger
         drafts = _fmt(row.get("mean_draft_length"), ".2f", "-") + (dagger if row.get("mean_draft_length") else "")
         lines.append(
             f"| {row['dataset']} | {row['method']} | {_fmt(row['tokens_per_second'], '.1f')} | "
-            f"{_fmt(row['speedup'])}x | {tau} | {drafts} | {ident} | "
+            f"{_fmt(row['speedup'])}x | "
+            + (f"{_fmt(row.get('speedup_vs_plain_optimized'))}x | " if vs_optimized else "")
+            + f"{tau} | {drafts} | {ident} | "
             f"{_fmt(split['draft'], '.1f', '-')} | "
             f"{_fmt(split['select'], '.1f', '-')} | {_fmt(split['verify'], '.1f', '-')} | "
             f"{_fmt(split['rest'], '.1f', '-')} | {_fmt(row['prefill_ms_per_call'], '.0f')} |")
@@ -297,7 +307,7 @@ def plot(results: dict, out_dir: Path) -> list[str]:
     for ax, dataset in zip(axes[0], panel_sets):
         for row in rows:
             acc = row["per_position_acceptance"]
-            if row["dataset"] != dataset or not acc or row["method"] == "plain":
+            if row["dataset"] != dataset or not acc or row["method"] in PLAIN_METHODS:
                 continue
             # small x offsets and distinct markers keep coinciding curves (e.g. all at 0) visible
             dx = offsets.get(row["method"], 0.0)

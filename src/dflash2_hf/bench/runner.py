@@ -1,7 +1,9 @@
 """The benchmark loop: every method on the same prompts, interleaved per prompt, with a rotating method order.
 
-For prompt ``j`` the methods run in the order ``methods[j % m:] + methods[:j % m]`` so slow drift of the machine
-(other jobs, thermal state) hits every method alike. Before the timed loop every method generates once, untimed, on
+``plain`` always runs on stock PyTorch kernels (:func:`dflash2_hf.cpu_kernels.stock_kernels`); every other method
+runs on the kernels the target has (prepacked ones after :func:`dflash2_hf.optimize_for_cpu`), ``plain_optimized``
+only on an optimized target. For prompt ``j`` the methods run in the order ``methods[j % m:] + methods[:j % m]``
+so slow drift of the machine (other jobs, thermal state) hits every method alike. Before the timed loop every method generates once, untimed, on
 the first prompt (warm-up: first-call allocations, lazy initialisation). Each timed figure is the wall-clock of the
 ``target.generate()`` call itself (``time.perf_counter``, CUDA synchronised at both ends).
 """
@@ -9,31 +11,37 @@ the first prompt (warm-up: first-call allocations, lazy initialisation). Each ti
 from __future__ import annotations
 
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field
 
 import torch
 
+from ..cpu_kernels import is_optimized, stock_kernels
 from .fidelity import NEAR_TIE_ULPS
 from .recorder import ForwardRecorder
 
-METHODS = ("plain", "prompt_lookup", "builtin_dflash", "dflash2_top1", "dflash2", "dflash2_dynamic", "dflash2_cost",
-           "dflash2_adapter", "dflash2_previous")
-DRAFTER_METHODS = ("builtin_dflash", "dflash2_top1", "dflash2", "dflash2_dynamic", "dflash2_cost", "dflash2_adapter",
-                   "dflash2_previous")
-STATS_METHODS = ("dflash2_top1", "dflash2", "dflash2_dynamic", "dflash2_cost", "dflash2_adapter",
-                 "dflash2_previous")  # fill generation_stats
+METHODS = ("plain", "plain_optimized", "prompt_lookup", "builtin_dflash", "dflash2_top1", "dflash2",
+           "dflash2_no_lookup", "dflash2_dynamic", "dflash2_cost", "dflash2_adapter", "dflash2_previous")
+PLAIN_METHODS = ("plain", "plain_optimized")  # no speculation
+STATS_METHODS = ("dflash2_top1", "dflash2", "dflash2_no_lookup", "dflash2_dynamic", "dflash2_cost", "dflash2_adapter",
+                 "dflash2_previous")  # the DFlash2 loop: fill generation_stats
+DRAFTER_METHODS = ("builtin_dflash",) + STATS_METHODS
 # methods that run another drafter than the main one (run_methods' adapted_drafter / previous_drafter)
 OWN_DRAFTER_METHODS = ("dflash2_adapter", "dflash2_previous")
 
 METHOD_DESCRIPTIONS = {
-    "plain": "target.generate() without speculation",
+    "plain": "target.generate() without speculation, on stock PyTorch kernels (what users run today)",
+    "plain_optimized": "target.generate() without speculation, on the kernels of dflash2_hf.optimize_for_cpu (the "
+                       "kernels every other method runs on when the target was optimized)",
     "prompt_lookup": "target.generate(prompt_lookup_num_tokens=N) (n-gram lookup in the prompt, transformers)",
     "builtin_dflash": "target.generate(assistant_model=drafter, speculation_type='dflash') (transformers' DFlash loop,"
                       " no selector)",
     "dflash2_top1": "target.generate(assistant_model=drafter) with drafter.use_selector=False (DFlash2 loop, top-1 "
                     "path)",
-    "dflash2": "target.generate(assistant_model=drafter) (DFlash2 loop with the candidate selector)",
+    "dflash2": "target.generate(assistant_model=drafter) (DFlash2 loop with the candidate selector, copying from the "
+               "context where the drafter agrees)",
+    "dflash2_no_lookup": "target.generate(assistant_model=drafter) with drafter.use_prompt_lookup=False (DFlash2 loop "
+                         "with the candidate selector, never copying from the context)",
     "dflash2_dynamic": "target.generate(assistant_model=drafter) with drafter.generation_config."
                        "assistant_confidence_threshold set (DFlash2 loop with the candidate selector, each path cut "
                        "after its first draft whose selector probability is below the threshold)",
@@ -131,6 +139,7 @@ def _method_settings(drafter, method: str, settings: BenchSettings):
     if method in STATS_METHODS:
         if method == "dflash2_top1":
             changes.append((drafter, "use_selector", False))
+        changes.append((drafter, "use_prompt_lookup", method != "dflash2_no_lookup"))
         config = getattr(drafter, "generation_config", None)
         if config is not None:
             changes += [(config, "num_assistant_tokens", None),
@@ -165,12 +174,16 @@ def generate_once(target, drafter, method: str, input_ids: torch.Tensor, setting
         kwargs.update(assistant_model=drafter, speculation_type="dflash")
     elif method in STATS_METHODS:
         kwargs["assistant_model"] = drafter
-    elif method != "plain":
+    elif method not in PLAIN_METHODS:
         raise ValueError(method)
+    if method == "plain_optimized" and not is_optimized(target):
+        raise ValueError("method plain_optimized needs a target run through dflash2_hf.optimize_for_cpu "
+                         "(dflash2 bench --cpu-kernels optimized)")
     if method in DRAFTER_METHODS:
         drafter.generation_stats = None
     device = input_ids.device
-    with _method_settings(drafter, method, settings):
+    kernels = stock_kernels(target) if method == "plain" else nullcontext()
+    with _method_settings(drafter, method, settings), kernels:
         _sync(device)
         start = time.perf_counter()
         out = target.generate(input_ids, **kwargs)
@@ -293,5 +306,5 @@ def run_methods(target, drafter, prompts: dict, settings: BenchSettings,
     return records, info
 
 
-__all__ = ["BenchSettings", "METHODS", "DRAFTER_METHODS", "STATS_METHODS", "OWN_DRAFTER_METHODS", "METHOD_DESCRIPTIONS",
+__all__ = ["BenchSettings", "METHODS", "PLAIN_METHODS", "DRAFTER_METHODS", "STATS_METHODS", "OWN_DRAFTER_METHODS", "METHOD_DESCRIPTIONS",
            "RawRecord", "generate_once", "run_methods"]

@@ -25,9 +25,11 @@ import sys
 
 from . import (
     DRAFTER_DTYPES,
+    add_cpu_kernels_argument,
     add_device_argument,
     add_drafter_dtype_argument,
     add_dtype_argument,
+    apply_cpu_kernels,
     dataset_list,
     drafter_spec,
     non_negative,
@@ -46,10 +48,15 @@ def _csv(text: str) -> list[str]:
     return [x.strip() for x in text.split(",") if x.strip()]
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
+def parser_default_methods() -> str:
+    """``--methods``' default: every method that needs no second drafter."""
     from ..bench.runner import METHODS, OWN_DRAFTER_METHODS
 
-    default_methods = [m for m in METHODS if m not in OWN_DRAFTER_METHODS]
+    return ",".join(m for m in METHODS if m not in OWN_DRAFTER_METHODS)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from ..bench.runner import METHODS
     parser.add_argument("--target", default="smollm2",
                         help="target alias (smollm2, gemma3-270m) or a local transformers folder (default: smollm2)")
     parser.add_argument("--drafter", required=True, type=drafter_spec,
@@ -89,7 +96,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=non_negative, default=0.0, help="0 = greedy (default); > 0 samples")
     parser.add_argument("--top-p", type=top_p, default=1.0, help="nucleus sampling (default 1.0 = off)")
     parser.add_argument("--top-k", type=non_negative_int, default=0, help="top-k sampling filter (default 0 = off)")
-    parser.add_argument("--methods", default=",".join(default_methods),
+    parser.add_argument("--methods", default=parser_default_methods(),
                         help=f"comma-separated subset of {','.join(METHODS)} (plain is always run: it is the "
                              "reference of the speedup and of the identity check; --adapter adds dflash2_adapter, "
                              "--previous-drafter dflash2_previous)")
@@ -104,6 +111,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     parser.add_argument("--num-threads", type=positive_int, default=None, help="torch CPU threads (default: torch's default)")
     add_device_argument(parser, "the target and the drafter")
+    add_cpu_kernels_argument(parser)
     parser.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up generations")
     parser.add_argument("--no-plots", action="store_true", help="do not write the PNG plots")
     parser.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
@@ -118,6 +126,8 @@ def run(args: argparse.Namespace) -> int:
     from ..targets import load_target
 
     methods = _csv(args.methods)
+    if args.cpu_kernels == "stock" and args.methods == parser_default_methods():
+        methods.remove("plain_optimized")  # the default list, without the method stock kernels cannot run
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
         print(f"error: unknown method(s) {unknown}; choose from {list(METHODS)}", file=sys.stderr)
@@ -130,6 +140,9 @@ def run(args: argparse.Namespace) -> int:
         if method in methods and not value:
             print(f"error: method {method} needs {flag}", file=sys.stderr)
             return 2
+    if "plain_optimized" in methods and args.cpu_kernels != "optimized":
+        print("error: method plain_optimized needs --cpu-kernels optimized", file=sys.stderr)
+        return 2
     if "plain" not in methods:
         print("note: adding 'plain' (the reference of speedup and identity)", file=sys.stderr)
     if args.adapter:
@@ -168,11 +181,15 @@ def run(args: argparse.Namespace) -> int:
         else (drafter_dtype, int8, drafter_dtype_label))
     previous = (load_drafter(args.previous_drafter, target, dtype=previous_dtype, int8=previous_int8)
                 if args.previous_drafter else None)
+    kernels = "stock CPU kernels"
+    if device.type == "cpu":
+        kernels = apply_cpu_kernels(args.cpu_kernels, target, drafter, adapted, previous)
+        print(f"cpu kernels: {kernels} (method plain: stock kernels)", file=sys.stderr)
     prompts, skipped = load_bench_prompts(_csv(args.datasets), tokenizer, args.num_prompts,
                                           max_prompt_tokens=args.max_prompt_tokens or None, chat=not args.raw_prompts)
     meta = {"target": args.target, "drafter": args.drafter, "adapter": args.adapter,
             "previous_drafter": args.previous_drafter, "dtype": dtype_label,
-            "drafter_dtype": drafter_dtype_label,
+            "drafter_dtype": drafter_dtype_label, "cpu_kernels": kernels,
             "previous_drafter_dtype": previous_dtype_label if args.previous_drafter else None,
             "datasets": _csv(args.datasets), "skipped_prompts_too_long": skipped,
             "max_prompt_tokens": args.max_prompt_tokens or None, "raw_prompts": args.raw_prompts,

@@ -16,6 +16,7 @@ import argparse
 import sys
 
 from . import (
+    add_cpu_kernels_argument,
     add_device_argument,
     add_drafter_dtype_argument,
     add_dtype_argument,
@@ -38,6 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_dtype_argument(parser, "auto")
     add_drafter_dtype_argument(parser, "auto", "auto")
     add_device_argument(parser, "the target and the drafter")
+    add_cpu_kernels_argument(parser)
     parser.add_argument("--confidence-threshold", type=probability, default=0.0,
                         help="also runs dflash2 with a confidence-cut draft length: each path cut after its first "
                              "draft whose selector probability is below this value (default 0 = skip that run)")
@@ -56,13 +58,18 @@ def run(args: argparse.Namespace) -> int:
     target, tokenizer, drafter, (dtype_label, drafter_dtype_label) = load_target_and_drafter(args)
     device = target.device
     prompts, _ = load_bench_prompts(args.datasets.split(","), tokenizer, num_prompts=args.num_prompts)
-    methods = (("plain", "dflash2") + (() if args.no_cost_schedule else ("dflash2_cost",))
+    from ..cpu_kernels import cpu_kernels_summary, is_optimized
+
+    optimized = is_optimized(target)
+    methods = (("plain",) + (("plain_optimized",) if optimized else ()) + ("dflash2",)
+               + (() if args.no_cost_schedule else ("dflash2_cost",))
                + (("dflash2_dynamic",) if args.confidence_threshold else ()))
     settings = BenchSettings(max_new_tokens=args.max_new_tokens, methods=methods,
                              confidence_threshold=args.confidence_threshold or 0.7)
     results = run_benchmark(target, drafter, prompts, settings, out_dir=args.out,
                             meta={"target": args.target, "drafter": args.drafter, "dtype": dtype_label,
-                                  "drafter_dtype": drafter_dtype_label})
+                                  "drafter_dtype": drafter_dtype_label,
+                                  "cpu_kernels": cpu_kernels_summary(target)})
 
     texts = {}
     for rec in results["records"]:
@@ -70,7 +77,8 @@ def run(args: argparse.Namespace) -> int:
     labels = {"dflash2": "full blocks", "dflash2_cost": "draft length from the cost curve",
               "dflash2_dynamic": f"draft cut at confidence < {args.confidence_threshold}"}
     for (dataset, prompt_id), by_method in texts.items():
-        print(f"\n=== {dataset} {prompt_id}: plain generate() {by_method['plain']['tokens_per_second']:.1f} tokens/s")
+        print(f"\n=== {dataset} {prompt_id}: plain generate() {by_method['plain']['tokens_per_second']:.1f} tokens/s"
+              + (f" (optimized kernels: {by_method['plain_optimized']['tokens_per_second']:.1f})" if optimized else ""))
         for method, label in labels.items():
             if method in by_method:
                 rec = by_method[method]
@@ -80,14 +88,20 @@ def run(args: argparse.Namespace) -> int:
         print(tokenizer.decode(by_method["dflash2"]["output_ids"], skip_special_tokens=True))
 
     print("\n" + "=" * 72)
-    print(f"target dtype {dtype_label}, drafter dtype {drafter_dtype_label}, device {device}")
+    print(f"target dtype {dtype_label}, drafter dtype {drafter_dtype_label}, device {device}, "
+          f"{cpu_kernels_summary(target) if device.type == 'cpu' else 'GPU kernels'}")
+    if optimized:
+        row = [a for a in results["aggregates"] if a["method"] == "plain_optimized"][-1]  # pooled over data sets
+        print(f"{row['dataset']:>10} {'plain generate(), optimized kernels':>32}: speedup {row['speedup']:.2f}x over plain "
+              "generate() on stock kernels")
     for agg in results["aggregates"]:
         if agg["method"] not in labels:
             continue
         near = f" ({agg['near_ties']} near-tie{'s' if agg['near_ties'] > 1 else ''})" if agg["near_ties"] else ""
         print(f"{agg['dataset']:>10} {labels[agg['method']]:>32}: tau {agg['tau']:.2f}, "
               f"{agg['mean_draft_length']:.2f} drafts verified per cycle, speedup {agg['speedup']:.2f}x over plain "
-              f"generate(), greedy identical: {agg['identical_all']}{near}")
+              f"generate()" + (f" ({agg['speedup_vs_plain_optimized']:.2f}x over plain on the same optimized kernels)"
+                               if optimized else "") + f", greedy identical: {agg['identical_all']}{near}")
     print("\n".join(line for line in cost_curve_lines(results["aggregates"]) if line))
     print(f"full results: {args.out}/results.md, {args.out}/results.json")
     from ..bench.report import load_warning

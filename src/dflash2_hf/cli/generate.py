@@ -14,9 +14,11 @@ import torch
 from transformers import TextStreamer
 
 from . import (
+    add_cpu_kernels_argument,
     add_device_argument,
     add_drafter_dtype_argument,
     add_dtype_argument,
+    apply_cpu_kernels,
     drafter_spec,
     non_negative,
     positive_int,
@@ -52,6 +54,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_dtype_argument(parser, "auto")
     add_drafter_dtype_argument(parser, "auto", "auto")
     add_device_argument(parser, "the target and the drafter")
+    add_cpu_kernels_argument(parser)
     parser.add_argument("--num-threads", type=positive_int, default=None, help="torch CPU threads (default: torch's default)")
     parser.add_argument("--compare", action="store_true",
                         help="also run plain generate() (after a short warm-up of both) and print the speedup in "
@@ -84,7 +87,8 @@ def prompt_ids(tokenizer, text: str) -> torch.LongTensor:
 
 def load_target_and_drafter(args: argparse.Namespace):
     """``(target, tokenizer, drafter, dtype labels)`` from ``--target/--drafter/--dtype/--drafter-dtype/--device/
-    --num-threads`` (the set-up ``generate`` and ``demo`` share); prints the resolved dtypes and device."""
+    --num-threads/--cpu-kernels`` (the set-up ``generate`` and ``demo`` share); prints the resolved dtypes, device and
+    CPU kernels."""
     from ..targets import load_target
 
     if args.num_threads:
@@ -95,6 +99,9 @@ def load_target_and_drafter(args: argparse.Namespace):
     print(f"target dtype: {dtype_label}; drafter dtype: {drafter_dtype_label}; device: {device}")
     target, tokenizer = load_target(args.target, dtype=dtype, device=device)
     drafter = load_drafter(args.drafter, target, dtype=drafter_dtype, int8=int8)
+    if device.type == "cpu":
+        print(f"cpu kernels: target: {apply_cpu_kernels(args.cpu_kernels, target)}; "
+              f"drafter: {apply_cpu_kernels(args.cpu_kernels, drafter)}")
     return target, tokenizer, drafter, (dtype_label, drafter_dtype_label)
 
 

@@ -16,6 +16,7 @@ from transformers import PreTrainedModel
 
 from ..masking import drafter_cache
 from ..quantization import is_int8, quantized_linear
+from .prompt_lookup import ngram_continuation
 from .stats import GenerationStats, timed
 
 
@@ -29,12 +30,14 @@ class DraftProposal:
         q: ``(P, k)`` float32, proposal probability of each candidate given the sampled predecessor (sampling only).
         confidence: ``(P,)`` float32, :func:`path_confidence` of each proposed draft (when a draft-length rule read
             it, else None).
+        copied: the drafts after the first are copied from the context (:mod:`.prompt_lookup`), not the drafter's.
     """
 
     tokens: torch.LongTensor
     candidate_ids: torch.LongTensor | None = None
     q: torch.Tensor | None = None
     confidence: torch.Tensor | None = None
+    copied: bool = False
 
     def q_of_tokens(self) -> torch.Tensor:
         """``(P,)`` proposal probability of each proposed token."""
@@ -150,6 +153,8 @@ class DFlash2CandidateGenerator:
             ``input_ids`` lacks (an ``inputs_embeds`` prompt) minus the padding kept out of the context.
         draft_length: a :class:`~.draft_length.DraftLengthPolicy` choosing how many drafts of each path to propose
             from the cost curve and the calibrated confidence (instead of ``confidence_threshold``), or None.
+        prompt_lookup_ngram: copy from the context where the drafter agrees (:mod:`.prompt_lookup`): the longest
+            n-gram (``n <= prompt_lookup_ngram``) to match; 0 = never copy.
     """
 
     def __init__(
@@ -163,8 +168,10 @@ class DFlash2CandidateGenerator:
         confidence_threshold: float | None = None,
         position_offset: int = 0,
         draft_length=None,
+        prompt_lookup_ngram: int = 0,
     ):
         self.drafter = drafter
+        self.prompt_lookup_ngram = prompt_lookup_ngram
         self.draft_length = draft_length
         self.position_offset = position_offset
         self.confidence_threshold = confidence_threshold
@@ -232,7 +239,8 @@ class DFlash2CandidateGenerator:
 
         with timed(self.stats, "select_seconds", self.device):
             if not self.do_sample and self.selector is None and not self.confidence_threshold and not self.draft_length:
-                return DraftProposal(tokens=self._to_target_ids(logits.argmax(-1))[None])
+                tokens = self._to_target_ids(logits.argmax(-1))[None]
+                return self._copied(input_ids, tokens[0, 0], num_drafts) or DraftProposal(tokens=tokens)
             top_logits, candidate_ids = logits.topk(self.top_k, dim=-1)  # (P, k)
             candidate_ids = self._to_target_ids(candidate_ids)
             if self.selector is None:  # the unary term alone: the same row for every predecessor
@@ -246,6 +254,10 @@ class DFlash2CandidateGenerator:
                 path, q = walk_sampled(scores, self.temperature)
             else:
                 path, q = walk_greedy(scores), None
+            first = (candidate_ids[0], None if q is None else q[0])  # the drafter's proposal of position 1
+            copied = self._copied(input_ids, candidate_ids[0, path[0]], num_drafts, first)
+            if copied is not None:
+                return copied
             confidence = None
             if self.confidence_threshold or self.draft_length:
                 confidence = path_confidence(scores, path)
@@ -260,6 +272,31 @@ class DFlash2CandidateGenerator:
             tokens = candidate_ids.gather(1, index[:, None]).T
             return DraftProposal(tokens=tokens, candidate_ids=candidate_ids if q is not None else None, q=q,
                                  confidence=confidence)
+
+    def _copied(self, input_ids: torch.LongTensor, first_draft: torch.Tensor, num_drafts: int,
+                first_row: tuple | None = None) -> DraftProposal | None:
+        """The n-gram continuation of ``input_ids`` as this cycle's proposal, where its first token equals the
+        drafter's ``first_draft`` (else None). Sampling: position 1 keeps the drafter's candidates and ``q``
+        (``first_row``), the copied tokens after it have ``q = 1``."""
+        if not self.prompt_lookup_ngram or num_drafts < 2:
+            return None
+        tokens = ngram_continuation(input_ids, self.prompt_lookup_ngram, num_drafts)
+        if tokens.shape[0] < 2 or not self._agrees(tokens, first_draft):
+            return None
+        tokens = tokens.to(self.device)
+        if not self.do_sample:
+            return DraftProposal(tokens=tokens[None], copied=True)
+        candidates, q_first = first_row
+        copies = tokens[1:, None].expand(-1, candidates.shape[0])  # (m - 1, k): one candidate, repeated
+        q_copies = torch.zeros(copies.shape, dtype=q_first.dtype, device=q_first.device)
+        q_copies[:, 0] = 1.0
+        return DraftProposal(tokens=tokens[None], candidate_ids=torch.cat([candidates[None], copies]),
+                             q=torch.cat([q_first[None], q_copies]), copied=True)
+
+    @staticmethod
+    def _agrees(continuation: torch.LongTensor, first_draft: torch.Tensor) -> bool:
+        """Whether to verify ``continuation`` ``(m,)``: its first token is the drafter's first draft."""
+        return int(continuation[0]) == int(first_draft)
 
     def _to_target_ids(self, ids: torch.LongTensor) -> torch.LongTensor:
         return ids if self.vocab_ids is None else self.vocab_ids[ids]

@@ -43,6 +43,8 @@ from .verification import TokenEmitter, greedy_picker, sampling_picker, verify_b
 
 logger = logging.get_logger(__name__)
 
+PROMPT_LOOKUP_NGRAM = 3  # longest n-gram matched when copying from the context (drafter.use_prompt_lookup)
+
 
 def _draft_length_settings(drafter) -> tuple[int, float | None, bool]:
     """``(max drafts per cycle, confidence threshold or None, cost schedule)`` from the drafter's ``generation_config``
@@ -173,6 +175,7 @@ def dflash2_assisted_decoding(
         stats=stats,
         confidence_threshold=confidence_threshold,
         position_offset=layout.offset - layout.hidden_positions,
+        prompt_lookup_ngram=PROMPT_LOOKUP_NGRAM if getattr(drafter, "use_prompt_lookup", False) else 0,
     )
     if cost_schedule:  # measures the cost curve on first use: before the timed loop, outside the stats
         generator.draft_length = policy_for(drafter, target, generator.hidden_layer_indices)
@@ -239,13 +242,14 @@ def dflash2_assisted_decoding(
         input_ids = block.sequence
         n_matches = block.emitted - 1
         if generator.draft_length is not None and not is_first_iteration and not block.stopped:
-            if proposal is not None:  # a stop hides what came after it
+            if proposal is not None and proposal.confidence is not None:  # a stop hides what came after it
                 generator.draft_length.update(proposal.confidence, block.accepted)
             generator.draft_length.record_cycle(block.emitted, time.perf_counter() - cycle_start, drafted)
         if not is_first_iteration:
             stats.acceptance_lengths.append(block.emitted)
             stats.accepted_drafts.append(block.accepted)
             stats.draft_lengths.append(num_drafts)
+            stats.copied_cycles += int(proposal is not None and proposal.copied)
 
         # 4. Roll the target cache back to the accepted tokens; queue their hidden states as drafter context.
         output_cache.crop(-(num_drafts - n_matches))

@@ -119,7 +119,10 @@ def measure_cost_curve(target, max_tokens: int, hidden_layers: list[int] | None 
                 elapsed = verify(n)
                 if round_:  # round 0 warms every shape up
                     times[n].append(elapsed)
-    label = f"{type(target).__name__} {param.dtype} on {param.device}, {torch.get_num_threads()} threads"
+    from ..cpu_kernels import is_optimized
+
+    kernels = ", prepacked CPU linears" if is_optimized(target) else ""
+    label = f"{type(target).__name__} {param.dtype} on {param.device}, {torch.get_num_threads()} threads{kernels}"
     return CostCurve({n: statistics.median(v) for n, v in times.items()}, time.perf_counter() - start, label)
 
 
@@ -219,25 +222,32 @@ class DraftLengthPolicy:
         self.calibration.update(confidence, accepted)
 
 
-# drafter -> target -> {"curves": {(dtype, device, threads): CostCurve}, "calibration": AcceptanceCalibration}; weak
+# drafter -> target -> {"curves": {(dtype, device, threads, optimized kernels): CostCurve}, "calibration": AcceptanceCalibration}; weak
 # both ways, outside the modules (a deepcopy of a drafter must not copy its targets)
 _STATE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def cost_schedule_state(drafter, target) -> dict:
-    """What the cost schedule keeps for ``drafter`` with ``target`` (``{"curves": {(dtype, device, threads):
+    """What the cost schedule keeps for ``drafter`` with ``target`` (``{"curves": {(dtype, device, threads, kernels):
     CostCurve}, "calibration": AcceptanceCalibration}``), created empty on first use; forgotten with either model."""
     per_target = _STATE.setdefault(drafter, weakref.WeakKeyDictionary())
     return per_target.setdefault(target, {"curves": {}, "calibration": AcceptanceCalibration()})
+
+
+def curve_key(target) -> tuple:
+    """What a measured cost curve holds for: the target's ``(dtype, device, torch threads, prepacked CPU linears)``."""
+    from ..cpu_kernels import is_optimized
+
+    param = next(target.parameters())
+    return str(param.dtype), str(param.device), torch.get_num_threads(), is_optimized(target)
 
 
 def policy_for(drafter, target, hidden_layers: list[int]) -> DraftLengthPolicy:
     """The drafter's policy for ``target`` on this device/dtype/thread count: the cost curve is measured on first use
     (logged, with its time) and kept, as is the acceptance calibration, per drafter and target
     (:func:`cost_schedule_state`)."""
-    param = next(target.parameters())
     state = cost_schedule_state(drafter, target)
-    key = (str(param.dtype), str(param.device), torch.get_num_threads())
+    key = curve_key(target)
     if key not in state["curves"]:
         curve = measure_cost_curve(target, drafter.config.block_size, hidden_layers)
         state["curves"][key] = curve
@@ -247,4 +257,4 @@ def policy_for(drafter, target, hidden_layers: list[int]) -> DraftLengthPolicy:
 
 
 __all__ = ["COST_SCHEDULE", "AcceptanceCalibration", "CostCurve", "DraftLengthPolicy", "cost_schedule_state",
-           "measure_cost_curve", "policy_for"]
+           "curve_key", "measure_cost_curve", "policy_for"]

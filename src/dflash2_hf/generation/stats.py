@@ -27,6 +27,8 @@ class GenerationStats:
         total_seconds: the whole decoding loop.
         drafter_passes: drafter forward passes (one per cycle that drafted; the cost schedule's plain steps make none,
             and a cycle whose pass it then verified none of, ``draft_lengths`` 0, made one).
+        copied_cycles: cycles that verified a continuation copied from the context (``drafter.use_prompt_lookup``:
+            the drafter's first draft agreed with it) instead of the drafter's own path.
         cost_curve: with the ``"cost"`` draft-length schedule, the verification cost curve it chose lengths from
             (``{"label", "verify_ms": {"n": ms}, "relative": {"n": T_verify(n) / T_decode}}``), else None.
     """
@@ -42,6 +44,7 @@ class GenerationStats:
     prefill_seconds: float = 0.0
     total_seconds: float = 0.0
     drafter_passes: int = 0
+    copied_cycles: int = 0
     cost_curve: dict | None = None
 
     @property
@@ -104,7 +107,7 @@ class GenerationStats:
             total.acceptance_lengths += s.acceptance_lengths
             total.accepted_drafts += s.accepted_drafts
             total.draft_lengths += s.draft_lengths
-            for name in ("new_tokens", "drafter_passes", "draft_seconds", "select_seconds", "verify_seconds", "prefill_seconds",
+            for name in ("new_tokens", "drafter_passes", "copied_cycles", "draft_seconds", "select_seconds", "verify_seconds", "prefill_seconds",
                          "total_seconds"):
                 setattr(total, name, getattr(total, name) + getattr(s, name))
             total.cost_curve = total.cost_curve or s.cost_curve

@@ -118,7 +118,8 @@ def sampling_picker(proposal: DraftProposal | None) -> Picker:
         draft = proposed[i]
         if torch.rand(()).item() * q_tokens[i] <= p[draft].item():  # u <= p/q without dividing by a tiny q
             return torch.tensor([draft], device=p.device), True
-        q = torch.zeros_like(p).scatter_(0, proposal.candidate_ids[i].to(p.device), proposal.q[i].to(p))
+        # scatter_add_: a copied draft's row repeats one candidate (q = 1, 0, ..., 0), see .prompt_lookup
+        q = torch.zeros_like(p).scatter_add_(0, proposal.candidate_ids[i].to(p.device), proposal.q[i].to(p))
         residual = (p - q).clamp_(min=0)
         total = residual.sum()
         return torch.multinomial(residual / total if total > 0 else p, 1), False

@@ -1,0 +1,77 @@
+"""Copying from the context (drafter.use_prompt_lookup): the n-gram continuation, greedy identity and exact sampling
+when the loop verifies copied continuations."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import make_drafter, make_target
+from dflash2_hf.generation import candidate_generator as cg
+from dflash2_hf.generation.prompt_lookup import ngram_continuation
+from test_generation_sampling import THRESHOLD, _empirical, _exact_marginals, _tv, sampling_models
+
+
+def test_ngram_continuation_takes_the_most_recent_longest_match():
+    ids = torch.tensor([[5, 1, 2, 9, 1, 2, 3, 4, 7, 1, 2]])
+    # the 2-gram (1, 2) last occurred at index 4: what followed it
+    assert ngram_continuation(ids, 3, 3).tolist() == [3, 4, 7]
+    assert ngram_continuation(ids, 3, 1).tolist() == [3]
+    # a 3-gram match wins over a more recent shorter one
+    ids = torch.tensor([[8, 1, 2, 6, 9, 2, 7, 8, 1, 2]])
+    assert ngram_continuation(ids, 3, 2).tolist() == [6, 9]
+    assert ngram_continuation(torch.tensor([[1, 2, 3]]), 3, 4).numel() == 0  # nothing recurs
+    assert ngram_continuation(ids, 3, 0).numel() == 0
+    assert ngram_continuation(torch.tensor([[4]]), 3, 4).numel() == 0
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_copied_continuations_keep_greedy_identity(arch, monkeypatch):
+    """Copy in every cycle where the context has a continuation (agreement forced): wrong copies are rejected by
+    verification, and the output stays plain greedy's."""
+    target = make_target(arch, seed=0)
+    drafter = make_drafter(target, block_size=6)
+    prompt = torch.tensor([[3, 17, 42, 5, 3, 17, 42, 5, 3, 17, 42, 8, 61, 3, 17]])
+    plain = target.generate(prompt, do_sample=False, max_new_tokens=24)
+    monkeypatch.setattr(cg.DFlash2CandidateGenerator, "_agrees", staticmethod(lambda continuation, first: True))
+    out = target.generate(prompt, assistant_model=drafter, do_sample=False, max_new_tokens=24)
+    assert torch.equal(out, plain)
+    stats = drafter.generation_stats
+    assert stats.copied_cycles > 0
+    drafter.use_prompt_lookup = False
+    try:
+        target.generate(prompt, assistant_model=drafter, do_sample=False, max_new_tokens=24)
+    finally:
+        drafter.use_prompt_lookup = True
+    assert drafter.generation_stats.copied_cycles == 0
+
+
+def test_sampling_with_copied_continuations_is_exact(monkeypatch):
+    """Every token of the prompt is followed by token 5 somewhere in it, so the n-gram continuation almost always
+    starts with 5, and the drafter leans towards 5 (+2 on its logit: still its own q); many first cycles then verify
+    a copied continuation (q = 1 after the drafter's first draft). The 2nd and 3rd tokens still follow the target's
+    exact distribution."""
+    target, drafter, _ = sampling_models()
+    prompt = torch.tensor([[1, 5, 2, 5, 3, 5, 4, 5, 6, 5, 7, 5, 8, 5, 9, 5, 10, 5, 11, 5, 3]])
+    p2, p3 = _exact_marginals(target, prompt)
+    compute_logits = type(drafter).compute_logits
+
+    def leaning(self, hidden, lm_head):
+        logits = compute_logits(self, hidden, lm_head).clone()
+        logits[..., 5] += 2.0
+        return logits
+
+    copied = []
+    copy = cg.DFlash2CandidateGenerator._copied
+
+    def spy(self, *args, **kwargs):
+        proposal = copy(self, *args, **kwargs)
+        copied.append(proposal is not None)
+        return proposal
+
+    monkeypatch.setattr(type(drafter), "compute_logits", leaning)
+    monkeypatch.setattr(cg.DFlash2CandidateGenerator, "_copied", spy)
+    torch.manual_seed(7)
+    emp, accepted = _empirical(target, drafter, prompt, draws=1500)
+    assert sum(copied) > 0.2 * len(copied), (sum(copied), len(copied))  # copied continuations were verified
+    assert _tv(emp[0], p2) < THRESHOLD and _tv(emp[1], p3) < THRESHOLD, (emp, p2, p3)
