@@ -21,14 +21,8 @@ from typing import NamedTuple, get_type_hints
 
 from transformers import HfArgumentParser
 
-from .config import (
-    RECIPE_DEFAULTS,
-    DataArguments,
-    DFlash2TrainingArguments,
-    DrafterArguments,
-    FeatureArguments,
-    LoraArguments,
-)
+from . import config
+from .config import DataArguments, DFlash2TrainingArguments, DrafterArguments, FeatureArguments, LoraArguments
 
 CONFIG_TYPES = (DataArguments, FeatureArguments, DrafterArguments, LoraArguments, DFlash2TrainingArguments)
 
@@ -84,7 +78,7 @@ def _add_extras(parser: argparse.ArgumentParser) -> None:
         parser.add_argument(old, action=_Renamed, new=new)
     parser.add_argument("config", nargs="?", default=None, metavar="CONFIG.yaml|json",
                         help="a file of these options by field name (flat); the command line wins")
-    parser.set_defaults(**RECIPE_DEFAULTS)
+    parser.set_defaults(**config.RECIPE_DEFAULTS)
 
 
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
