@@ -84,6 +84,10 @@ def test_config_file_fills_defaults_and_the_command_line_wins(tmp_path):
     assert cfg.data.data == "some/folder" and cfg.features.features == "online" and cfg.drafter.num_layers == 2
     assert cfg.training_args.learning_rate == 0.001 and cfg.training_args.max_steps == 3 and cfg.lora.lora_r == 4
     assert cfg.training_args.lr_scheduler_type == "cosine" and cfg.training_args.seed == 0  # the recipe's defaults
+    from dflash2_hf.training import TrainArgumentParser
+
+    same = TrainArgumentParser().parse([str(tmp_path / "run.yaml"), "--max-steps", "3"])  # from Python: the same
+    assert (same.training_args.max_steps, same.training_args.learning_rate, same.data.data) == (3, 0.001, "some/folder")
     (tmp_path / "bad.json").write_text(json.dumps({"output": "x"}))
     with pytest.raises(ValueError, match="unknown option"):
         configs_from_namespace(build_parser().parse_args(["train", str(tmp_path / "bad.json")]))

@@ -15,6 +15,11 @@ Examples:
   dflash2 train run.yaml --max-steps 10             # options from a file
   torchrun --nproc_per_node 2 $(which dflash2) train ...   # data parallel (also: accelerate launch)
 
+Renamed (the old spelling is refused with the new name): --output -> --output-dir, --lr -> --learning-rate,
+--warmup -> --warmup-steps, --batch-size -> --per-device-train-batch-size, --grad-accum ->
+--gradient-accumulation-steps, --epochs -> --num-train-epochs, --resume -> --resume-from-checkpoint last,
+--no-progress -> --disable-tqdm, --selector-no-detach -> --no-selector-detach.
+
 Logged every --logging-steps: loss, ce_loss, selector_loss, acc_slot_j (top-1 accuracy of draft slot j),
 acc_top1, acc_selector, topk_recall, tau_top1 / tau_selector (teacher-forced greedy acceptance estimate on the
 training blocks) and pred_tokens_per_s. docs/distributed_training.md: online features, DDP, FSDP / ZeRO.
