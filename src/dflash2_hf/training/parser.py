@@ -17,6 +17,7 @@ import argparse
 import dataclasses
 import json
 import os
+import sys
 from typing import NamedTuple, get_type_hints
 
 from transformers import HfArgumentParser
@@ -78,7 +79,7 @@ def _add_extras(parser: argparse.ArgumentParser) -> None:
         parser.add_argument(old, action=_Renamed, new=new)
     parser.add_argument("config", nargs="?", default=None, metavar="CONFIG.yaml|json",
                         help="a file of these options by field name (flat); the command line wins")
-    parser.set_defaults(**config.RECIPE_DEFAULTS)
+    parser.set_defaults(**config.RECIPE_DEFAULTS, disable_tqdm=not sys.stderr.isatty())  # no bars in log files
 
 
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:

@@ -118,8 +118,6 @@ def _setup(data: DataArguments, features: FeatureArguments, training_args: DFlas
         raise ValueError(f"device={data.device!r} but the Trainer trains on {device}: set use_cpu to match")
     if data.num_threads:
         torch.set_num_threads(data.num_threads)
-    if training_args.disable_tqdm is None:
-        training_args.disable_tqdm = not sys.stderr.isatty()
     if features.feature_dtype == "auto":
         native, reason = bf16_support(device)
         features.feature_dtype = "bfloat16" if native else "float32"
