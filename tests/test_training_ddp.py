@@ -1,5 +1,5 @@
-"""Data parallel training under torchrun (gloo on the CPU): 2 processes train the loss curve of 1 process at the same
-global batch, resume, and LoRA too.
+"""Data parallel training under torchrun and accelerate launch (gloo on the CPU): 2 processes train the loss curve of
+1 process at the same global batch, resume, and LoRA too.
 
 Tolerance: every logged loss within 2% (relative) of the one-process run. The blocks, records and global batches are
 the same (anchors drawn per (seed, epoch, record), batches split across ranks by the Trainer); what differs is the
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -20,8 +21,9 @@ import torch
 TOLERANCE = 0.02
 
 
-def _run(tmp_path, nproc: int, out: str, *extra: str) -> None:
-    """One process: in this one (``dflash2_hf.cli.main``); two: ``torchrun`` (``python -m torch.distributed.run``)."""
+def _run(tmp_path, nproc: int, out: str, *extra: str, launcher: str = "torchrun") -> None:
+    """One process: in this one (``dflash2_hf.cli.main``); more: ``torchrun`` (``python -m torch.distributed.run``) or
+    ``accelerate launch --multi_gpu`` (on a CPU-only machine that is gloo DDP too; ``--cpu`` would start one process)."""
     args = ["train", "--target", str(tmp_path / "target"), "--data", str(tmp_path / "data"), "--num-layers", "1",
             "--block-size", "4", "--num-blocks", "4", "--per-device-train-batch-size", str(2 // nproc),
             "--logging-steps", "1", "--learning-rate", "1e-3", "--lr-scheduler-type", "constant", "--warmup-steps", "0",
@@ -33,8 +35,13 @@ def _run(tmp_path, nproc: int, out: str, *extra: str) -> None:
         return
     env = dict(os.environ, OMP_NUM_THREADS="1", DFLASH2_CACHE=str(tmp_path / "cache"))
     env.pop("CUDA_VISIBLE_DEVICES", None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           "-m", "dflash2_hf.cli", *args]
+    if launcher == "torchrun":
+        start = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    else:
+        start = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(nproc),
+                 "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+                 "--main_process_port", "0"]
+    cmd = [*start, "-m", "dflash2_hf.cli", *args]
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, "\n".join(line for line in res.stderr.splitlines() if "dflash2 train: error" in line) \
         or res.stderr[-3000:]
@@ -63,13 +70,21 @@ def _prepare(tmp_path) -> None:
 needs_distributed = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch without torch.distributed")
 
 
+def _resume_copy(src, dst, step: int) -> None:
+    """``dst`` holds only ``src``'s ``checkpoint-<step>``: a run stopped there."""
+    dst.mkdir()
+    shutil.copytree(src / f"checkpoint-{step}", dst / f"checkpoint-{step}")
+
+
 @needs_distributed
 def test_two_processes_train_the_one_process_curve(tmp_path, monkeypatch):
-    """Full drafter, online features, 4 steps."""
+    """Full drafter, online features, 4 steps under torchrun; the 2-process checkpoint of step 2 resumes (in one
+    process) onto the same curve."""
     monkeypatch.setenv("DFLASH2_CACHE", str(tmp_path / "cache"))
     _prepare(tmp_path)
-    _run(tmp_path, 1, "one", "--features", "online", "--max-steps", "4", "--save-steps", "4")
-    _run(tmp_path, 2, "two", "--features", "online", "--max-steps", "4", "--save-steps", "4")
+    online = ["--features", "online", "--save-steps", "2"]
+    _run(tmp_path, 2, "two", *online, "--max-steps", "4")
+    _run(tmp_path, 1, "one", *online, "--max-steps", "4")
     one, two = _losses(tmp_path / "one"), _losses(tmp_path / "two")
     print("losses, 1 process:", one, "2 processes:", two)
     assert _close(one, two), (one, two)
@@ -77,12 +92,15 @@ def test_two_processes_train_the_one_process_curve(tmp_path, monkeypatch):
     summary = json.loads((tmp_path / "two" / "training_summary.json").read_text())
     assert summary["world_size"] == 2 and summary["global_step"] == 4 and summary["features"] == "online"
     assert not (tmp_path / "cache" / "features").exists()  # online: nothing cached
+    _resume_copy(tmp_path / "two", tmp_path / "resumed", 2)
+    _run(tmp_path, 1, "resumed", *online, "--max-steps", "4", "--resume-from-checkpoint", "last")
+    assert _close(one, _losses(tmp_path / "resumed"))
 
 
 @needs_distributed
 def test_two_processes_train_the_one_process_lora_curve_and_resume(tmp_path, monkeypatch):
-    """A LoRA adapter on a drafter, cached features (built by the main process first, read by both ranks):
-    1 process, 4 steps / 2 processes, 2 steps, then resumed from that checkpoint to 4."""
+    """A LoRA adapter on a drafter, cached features (built by the main process first, read by both ranks): 1 process,
+    4 steps / its checkpoint of step 2 resumed to 4 by 2 processes under ``accelerate launch``."""
     from transformers import AutoModelForCausalLM
 
     from dflash2_hf import DFlash2DraftModel
@@ -92,13 +110,13 @@ def test_two_processes_train_the_one_process_lora_curve_and_resume(tmp_path, mon
     target = AutoModelForCausalLM.from_pretrained(tmp_path / "target")
     torch.manual_seed(0)
     DFlash2DraftModel.from_target(target, num_hidden_layers=1, block_size=4).save_pretrained(tmp_path / "base")
-    lora = ["--init", str(tmp_path / "base"), "--lora", "--lora-r", "4", "--save-steps", "2"]
-    _run(tmp_path, 1, "one", *lora, "--max-steps", "4")
-    _run(tmp_path, 2, "two", *lora, "--max-steps", "2")
-    _run(tmp_path, 2, "two", *lora, "--max-steps", "4", "--resume-from-checkpoint", "last")
+    lora = ["--init", str(tmp_path / "base"), "--lora", "--lora-r", "4", "--save-steps", "2", "--max-steps", "4"]
+    _run(tmp_path, 1, "one", *lora)
+    _resume_copy(tmp_path / "one", tmp_path / "two", 2)
+    _run(tmp_path, 2, "two", *lora, "--resume-from-checkpoint", "last", launcher="accelerate")
     one, two = _losses(tmp_path / "one"), _losses(tmp_path / "two")
-    print("LoRA losses, 1 process:", one, "2 processes (resumed after step 2):", two)
-    assert _close(one, two), (one, two)
+    print("LoRA losses, 1 process:", one, "2 processes from step 3 on:", two)
+    assert _close(one, two) and one[:2] == two[:2], (one, two)
     assert one[0] != one[-1]
     summary = json.loads((tmp_path / "two" / "training_summary.json").read_text())
     assert summary["world_size"] == 2 and summary["global_step"] == 4 and summary["resumed_from"].endswith("-2")
