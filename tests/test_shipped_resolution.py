@@ -76,3 +76,15 @@ def test_cli_default_drafter_resolves_from_any_folder(tmp_path, monkeypatch):
     for command in (["demo"], ["generate", "--prompt", "hi"]):
         args = build_parser().parse_args(command)
         assert Path(resolve_name_or_path(args.drafter)) == REPO_CARDS / SHIPPED_DRAFTER
+
+
+def test_non_editable_install_says_what_to_do(tmp_path, monkeypatch):
+    from dflash2_hf import shipped
+
+    monkeypatch.delenv(MODEL_CARDS_ENV, raising=False)
+    site = tmp_path / "lib" / "python3.11" / "site-packages" / "dflash2_hf"
+    site.mkdir(parents=True)
+    monkeypatch.setattr(shipped, "__file__", str(site / "shipped.py"))  # as installed without the repository
+    assert shipped.model_cards_dir() is None
+    with pytest.raises(ShippedDrafterNotFoundError, match="non-editable install.*pip install -e"):
+        shipped_drafter_path()
