@@ -2,7 +2,8 @@
 
 ``import dflash2_hf`` registers the drafter with ``AutoConfig``/``AutoModel`` (``model_type: "dflash2"``) and routes
 ``target.generate(..., assistant_model=draft)`` to the DFlash2 decoding loop when ``draft`` is a
-:class:`DFlash2DraftModel`.
+:class:`DFlash2DraftModel`. The same loop through transformers' public hook, with no private method involved:
+``target.generate(..., custom_generate=dflash2_generate, drafter=draft)``. Guides: README.md and docs/.
 """
 
 from transformers import AutoConfig, AutoModel
