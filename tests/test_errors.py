@@ -120,9 +120,11 @@ def test_non_finite_weights_are_refused(targets, tmp_path):
 def test_cli_prints_one_line_errors(capsys, tmp_path):
     from dflash2_hf.cli import main
 
-    assert main(["generate", "--target", "smollm2", "--drafter", str(tmp_path / "missing"), "--prompt", "hi"]) == 2
+    with pytest.raises(SystemExit) as done:  # refused by argparse, before the target loads
+        main(["generate", "--target", "smollm2", "--drafter", str(tmp_path / "missing"), "--prompt", "hi"])
+    assert done.value.code == 2
     err = capsys.readouterr().err
-    assert "dflash2 generate: error: No drafter folder" in err and "Traceback" not in err
+    assert "dflash2 generate: error: argument --drafter: no drafter folder" in err and "Traceback" not in err
 
 
 def test_cli_missing_local_target_and_unreachable_hub_ids_are_one_line_errors(capsys, monkeypatch, tmp_path):
