@@ -56,7 +56,12 @@ def test_demo_runs_full_blocks_and_the_cost_schedule(tmp_path, capsys, monkeypat
     assert f"target dtype: fp32 (auto: no native bf16 on this CPU); drafter dtype: {drafter_label}" in out
     assert out.count("identical to plain greedy: True") == 3
     data = json.loads((tmp_path / "results.json").read_text())
-    assert {r["method"] for r in data["records"]} == {"plain", "dflash2", "dflash2_cost", "dflash2_dynamic"}
+    # on a CPU the demo optimizes the kernels by default and times plain generate() on both
+    assert {r["method"] for r in data["records"]} == {"plain", "plain_optimized", "dflash2", "dflash2_cost",
+                                                      "dflash2_dynamic"}
+    assert "cpu kernels: target: prepacked oneDNN linears for 211 of 211 linears" in out
+    assert "x over plain generate() on stock kernels" in out and "over plain on the same optimized kernels" in out
+    assert data["meta"]["cpu_kernels"].startswith("prepacked oneDNN linears")
     assert all(r["identical_to_plain"] for r in data["records"])
     assert data["settings"]["confidence_threshold"] == 0.7
     assert data["meta"]["dtype"] == "fp32 (auto: no native bf16 on this CPU)"
