@@ -48,7 +48,7 @@ def training_chain(finetuned: Path) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--base", required=True, help="the drafter the fine-tune started from (the adapter's base)")
-    parser.add_argument("--finetuned", required=True, help="the fully fine-tuned drafter (dflash2 train --output)")
+    parser.add_argument("--finetuned", required=True, help="the fully fine-tuned drafter (dflash2 train --output-dir)")
     parser.add_argument("--out", required=True, help="folder for the adapter (created)")
     parser.add_argument("--r", type=int, default=32, help="LoRA rank of every target (size: see the printed share)")
     parser.add_argument("--alpha", type=int, default=64, help="lora_alpha (the factors are scaled to match it)")

@@ -7,7 +7,7 @@ for HumanEval prompts. The functions come from the standard library of the runni
 HumanEval). Feed the file to `dflash2 prepare-data --source` so the TARGET writes the answers:
 
     python examples/make_stdlib_code_prompts.py --out data/stdlib-code-prompts.json --max-prompts 1500
-    dflash2 prepare-data --target smollm2 --source data/stdlib-code-prompts.json --out data/smollm2-stdlib-code \\
+    dflash2 prepare-data --target smollm2 --source data/stdlib-code-prompts.json --output-dir data/smollm2-stdlib-code \\
         --start 0 --stop 1500 --batch-size 64 --max-new-tokens 192
 
 Functions are taken in a fixed, shuffled order (seed 0); private names, methods, functions with a docstring shorter

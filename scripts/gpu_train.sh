@@ -46,7 +46,7 @@ if [ ! -f "$prompts" ]; then
   "$PYTHON" examples/make_stdlib_code_prompts.py --out "$prompts" --max-prompts "$PROMPTS"
 fi
 echo "gpu_train: prompts ready (${SECONDS}s)"
-dflash2 prepare-data --target "$TARGET" --source "$prompts" --out "$WORK/data" --stop "$PROMPTS" \
+dflash2 prepare-data --target "$TARGET" --source "$prompts" --output-dir "$WORK/data" --stop "$PROMPTS" \
   --batch-size "$GEN_BATCH" --max-new-tokens "$NEW_TOKENS" --max-prompt-tokens "$MAX_PROMPT_TOKENS" \
   --device "$DEVICE" --no-progress
 echo "gpu_train: regenerated (${SECONDS}s)"

@@ -47,7 +47,7 @@ def test_demo_runs_full_blocks_and_the_cost_schedule(tmp_path, capsys, monkeypat
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False, raising=False)
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False, raising=False)
     rc = main(["demo", "--drafter", SHIPPED, "--num-prompts", "1", "--max-new-tokens", "12", "--datasets", "humaneval",
-               "--out", str(tmp_path), "--num-threads", "1", "--confidence-threshold", "0.7"])
+               "--output-dir", str(tmp_path), "--num-threads", "1", "--confidence-threshold", "0.7"])
     out = capsys.readouterr().out
     assert rc == 0
     assert "full blocks: tau" in out and "draft cut at confidence < 0.7: tau" in out

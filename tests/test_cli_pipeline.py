@@ -24,7 +24,7 @@ def test_prepare_train_lora_generate(tmp_path, monkeypatch, capsys):
     t = tiny_chat_target_folder(tmp_path / "target")
     target = AutoModelForCausalLM.from_pretrained(t).eval()
 
-    assert main(["prepare-data", "--target", t, "--out", str(tmp_path / "data"), "--start", "0", "--stop", "12",
+    assert main(["prepare-data", "--target", t, "--output-dir", str(tmp_path / "data"), "--start", "0", "--stop", "12",
                  "--batch-size", "4", "--max-new-tokens", "24", "--max-prompt-tokens", "4000", "--no-progress"]) == 0
     meta = json.load(open(tmp_path / "data" / "meta.json"))
     assert meta["counts"]["kept"] > 0
@@ -72,38 +72,38 @@ def test_prepare_train_lora_generate(tmp_path, monkeypatch, capsys):
     out = tmp_path / "bench"
     assert main(["bench", "--target", t, "--drafter", str(tmp_path / "drafter"), "--adapter", str(tmp_path / "adapter"),
                  "--datasets", str(prompts), "--num-prompts", "2", "--max-new-tokens", "8", "--methods",
-                 "plain,dflash2", "--out", str(out), "--no-plots", "--no-progress", "--no-warmup"]) == 0
+                 "plain,dflash2", "--output-dir", str(out), "--no-plots", "--no-progress", "--no-warmup"]) == 0
     results = json.loads((out / "results.json").read_text())
     assert results["settings"]["methods"] == ["plain", "dflash2", "dflash2_adapter"]
     assert results["meta"]["adapter_bytes"] > 0 and results["meta"]["drafter_bytes"] > results["meta"]["adapter_bytes"]
     assert all(r["identical_to_plain"] for r in results["records"])
     assert "LoRA adapter (method `dflash2_adapter`)" in (out / "results.md").read_text()
     assert main(["bench", "--target", t, "--drafter", str(tmp_path / "drafter"), "--adapter", str(tmp_path / "nope"),
-                 "--datasets", str(prompts), "--out", str(tmp_path / "bench2"), "--no-progress"]) == 2
+                 "--datasets", str(prompts), "--output-dir", str(tmp_path / "bench2"), "--no-progress"]) == 2
     # a new drafter against the previous one (here: the adapter merged, saved as a drafter of its own)
     adapted.merge_and_unload().save_pretrained(tmp_path / "merged")
     bench = ["bench", "--target", t, "--drafter", str(tmp_path / "merged"), "--datasets", str(prompts),
              "--num-prompts", "2", "--max-new-tokens", "8", "--no-plots", "--no-progress", "--no-warmup"]
     assert main([*bench, "--previous-drafter", str(tmp_path / "drafter"), "--methods", "plain,dflash2",
-                 "--out", str(tmp_path / "bench3")]) == 0
+                 "--output-dir", str(tmp_path / "bench3")]) == 0
     results = json.loads((tmp_path / "bench3" / "results.json").read_text())
     assert results["settings"]["methods"] == ["plain", "dflash2", "dflash2_previous"]
     assert results["meta"]["previous_drafter"] == str(tmp_path / "drafter")
     assert all(r["identical_to_plain"] for r in results["records"])
-    assert main([*bench, "--methods", "plain,dflash2_previous", "--out", str(tmp_path / "bench4")]) == 2
+    assert main([*bench, "--methods", "plain,dflash2_previous", "--output-dir", str(tmp_path / "bench4")]) == 2
     # one drafter in two drafting precisions side by side (where this torch has int8 kernels)
     from dflash2_hf.quantization import int8_support
 
     if int8_support("cpu")[0]:
         assert main([*bench, "--previous-drafter", str(tmp_path / "merged"), "--drafter-dtype", "int8",
-                     "--previous-drafter-dtype", "fp32", "--methods", "plain,dflash2", "--out", str(tmp_path / "bench5")]) == 0
+                     "--previous-drafter-dtype", "fp32", "--methods", "plain,dflash2", "--output-dir", str(tmp_path / "bench5")]) == 0
         results = json.loads((tmp_path / "bench5" / "results.json").read_text())
         assert (results["meta"]["drafter_dtype"], results["meta"]["previous_drafter_dtype"]) == ("int8", "fp32")
         assert all(r["identical_to_plain"] for r in results["records"])
         assert "`dflash2_previous`): `" + str(tmp_path / "merged") + "` in fp32" in (tmp_path / "bench5" / "results.md").read_text()
 
     # a code-domain set: prepare-data --only-code, then a LoRA run on all of it (--only-code keeps such a folder whole)
-    assert main(["prepare-data", "--target", t, "--out", str(tmp_path / "code"), "--start", "0", "--stop", "20",
+    assert main(["prepare-data", "--target", t, "--output-dir", str(tmp_path / "code"), "--start", "0", "--stop", "20",
                  "--only-code", "--batch-size", "4", "--max-new-tokens", "8", "--max-prompt-tokens", "4000",
                  "--no-progress"]) == 0
     code_meta = json.load(open(tmp_path / "code" / "meta.json"))
@@ -161,7 +161,7 @@ def test_prepare_train_lora_generate(tmp_path, monkeypatch, capsys):
     own = tmp_path / "own.json"
     own.write_text(json.dumps([{"id": f"c{i}", "conversations": [{"from": "human", "value": f"question {i}"}]}
                                for i in range(3)]))
-    assert main(["prepare-data", "--target", t, "--source", str(own), "--out", str(tmp_path / "own"), "--stop", "3",
+    assert main(["prepare-data", "--target", t, "--source", str(own), "--output-dir", str(tmp_path / "own"), "--stop", "3",
                  "--batch-size", "2", "--max-new-tokens", "4", "--no-progress"]) == 0
     own_meta = json.load(open(tmp_path / "own" / "meta.json"))
     assert own_meta["counts"]["kept"] == 3 and own_meta["source"]["path"] == str(own)
@@ -170,14 +170,14 @@ def test_prepare_train_lora_generate(tmp_path, monkeypatch, capsys):
     other.write_text(json.dumps([{"conversations": [{"from": "user", "value": "hi"}, {"from": "assistant",
                                                                                     "value": "hello"}]}]))
     args = ["--target", t, "--stop", "3", "--batch-size", "2", "--max-new-tokens", "4", "--no-progress"]
-    assert main(["prepare-data", *args, "--source", str(other), "--out", str(tmp_path / "own")]) == 2  # other file
-    assert main(["prepare-data", *args, "--source", str(other), "--out", str(tmp_path / "other")]) == 0
+    assert main(["prepare-data", *args, "--source", str(other), "--output-dir", str(tmp_path / "own")]) == 2  # other file
+    assert main(["prepare-data", *args, "--source", str(other), "--output-dir", str(tmp_path / "other")]) == 0
     assert json.load(open(tmp_path / "other" / "meta.json"))["counts"]["kept"] == 1
     bad = tmp_path / "bad.json"
     bad.write_text('{"not": "an array"}')
-    assert main(["prepare-data", *args, "--source", str(bad), "--out", str(tmp_path / "bad-out")]) == 2
-    assert main(["prepare-data", *args, "--source", str(tmp_path / "nope.json"), "--out", str(tmp_path / "x")]) == 2
+    assert main(["prepare-data", *args, "--source", str(bad), "--output-dir", str(tmp_path / "bad-out")]) == 2
+    assert main(["prepare-data", *args, "--source", str(tmp_path / "nope.json"), "--output-dir", str(tmp_path / "x")]) == 2
     assert not (tmp_path / "bad-out").exists() and not (tmp_path / "x").exists()  # nothing written
     roles = tmp_path / "roles.json"
     roles.write_text(json.dumps([{"conversations": [{"from": "bot", "value": "hi"}]}]))
-    assert main(["prepare-data", *args, "--source", str(roles), "--out", str(tmp_path / "roles")]) == 1  # 0 kept
+    assert main(["prepare-data", *args, "--source", str(roles), "--output-dir", str(tmp_path / "roles")]) == 1  # 0 kept

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 import time
@@ -58,7 +59,7 @@ def test_python_dash_m():
 @pytest.mark.parametrize("command, expected", [
     (["demo"], ["--max-new-tokens MAX_NEW_TOKENS\n                        (default: 128)", "(default: smollm2)"]),
     (["generate", "--prompt", "x"], ["(default: dflash2-smollm2-135m-instruct)"]),
-    (["bench", "--drafter", "x", "--out", "y"], ["(default 10)", "(default: sharegpt,humaneval)"]),
+    (["bench", "--drafter", "x", "--output-dir", "y"], ["(default 10)", "(default: sharegpt,humaneval)"]),
 ])
 def test_help_shows_defaults(capsys, command, expected):
     with pytest.raises(SystemExit):
@@ -67,7 +68,7 @@ def test_help_shows_defaults(capsys, command, expected):
     flat = " ".join(text.split())  # argparse wraps long lines
     for part in expected:
         assert part in text or " ".join(part.split()) in flat, part
-    assert "--output" not in text  # the refused old spelling stays out of the help
+    assert not re.search(r"--out(put)?(?![-\w])", text)  # the refused old spellings stay out of the help
 
 
 @pytest.fixture
@@ -87,18 +88,18 @@ def no_model_loads(monkeypatch):
     (["generate", "--prompt", "x", "--max-new-tokens", "-1"], "--max-new-tokens: must be >= 1"),
     (["generate", "--prompt", "x", "--top-p", "2"], "--top-p: must be in (0, 1]"),
     (["generate", "--prompt", "x", "--num-threads", "0"], "--num-threads: must be >= 1"),
-    (["bench", "--drafter", "d", "--out", "o", "--top-p", "0"], "--top-p: must be in (0, 1]"),
-    (["bench", "--drafter", "d", "--out", "o", "--top-k", "-1"], "--top-k: must be >= 0"),
-    (["bench", "--drafter", "d", "--out", "o", "--temperature", "-0.5"], "--temperature: must be >= 0"),
-    (["bench", "--drafter", "d", "--out", "o", "--num-prompts", "0"], "--num-prompts: must be >= 1"),
-    (["bench", "--drafter", "d", "--out", "o", "--prompt-lookup-tokens", "0"], "--prompt-lookup-tokens: must be >= 1"),
-    (["bench", "--drafter", "d", "--output", "o"], "--output is spelled --out in this command"),
-    (["demo", "--output-dir", "o"], "--output-dir is spelled --out in this command"),
+    (["bench", "--drafter", "d", "--output-dir", "o", "--top-p", "0"], "--top-p: must be in (0, 1]"),
+    (["bench", "--drafter", "d", "--output-dir", "o", "--top-k", "-1"], "--top-k: must be >= 0"),
+    (["bench", "--drafter", "d", "--output-dir", "o", "--temperature", "-0.5"], "--temperature: must be >= 0"),
+    (["bench", "--drafter", "d", "--output-dir", "o", "--num-prompts", "0"], "--num-prompts: must be >= 1"),
+    (["bench", "--drafter", "d", "--output-dir", "o", "--prompt-lookup-tokens", "0"], "--prompt-lookup-tokens: must be >= 1"),
+    (["bench", "--drafter", "d", "--output", "o"], "--output is spelled --output-dir in this command"),
+    (["demo", "--out", "o"], "--out is spelled --output-dir in this command"),
     (["demo", "--drafter", "./no-such-drafter"], "--drafter: no drafter folder at './no-such-drafter'"),
     (["generate", "--prompt", "x", "--drafter", "a/b/c"], "--drafter: no drafter folder at 'a/b/c'"),
-    (["bench", "--drafter", "fresh", "--out", "o", "--previous-drafter", "/no/such"], "no drafter folder at '/no/such'"),
+    (["bench", "--drafter", "fresh", "--output-dir", "o", "--previous-drafter", "/no/such"], "no drafter folder at '/no/such'"),
     (["demo", "--datasets", "sharegpt,humanevl"], "--datasets: unknown data set(s) ['humanevl']"),
-    (["bench", "--drafter", "fresh", "--out", "o", "--datasets", "missing.jsonl"], "unknown data set(s) ['missing.jsonl']"),
+    (["bench", "--drafter", "fresh", "--output-dir", "o", "--datasets", "missing.jsonl"], "unknown data set(s) ['missing.jsonl']"),
 ])
 def test_options_checked_before_any_model_loads(no_model_loads, capsys, argv, problem):
     with pytest.raises(SystemExit) as done:
@@ -111,9 +112,43 @@ def test_options_checked_before_any_model_loads(no_model_loads, capsys, argv, pr
 def test_good_values_parse(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "mine.jsonl").write_text('{"prompt": "hi"}\n')
-    args = build_parser("bench").parse_args(["bench", "--drafter", "dflash2-smollm2-135m-instruct", "--out", "o",
+    args = build_parser("bench").parse_args(["bench", "--drafter", "dflash2-smollm2-135m-instruct", "--output-dir", "o",
                                              "--datasets", "humaneval,mine.jsonl", "--top-p", "1", "--top-k", "0"])
     assert (args.drafter, args.datasets, args.top_p, args.top_k) == ("dflash2-smollm2-135m-instruct",
                                                                      "humaneval,mine.jsonl", 1.0, 0)
     assert build_parser("demo").parse_args(["demo"]).drafter == "dflash2-smollm2-135m-instruct"
     assert build_parser("generate").parse_args(["generate", "--prompt", "x", "--drafter", "org/name"]).drafter == "org/name"
+
+
+OUTPUT_FOLDER_COMMANDS = {  # every sub-command with an output folder -> the other options it needs to parse
+    "demo": [],
+    "bench": ["--drafter", "fresh"],
+    "prepare-data": [],
+    "export-data": ["--data", "d"],
+    "train": ["--data", "d"],
+}
+
+
+def test_every_output_folder_command_is_covered():
+    from dflash2_hf.cli import SUBCOMMANDS
+
+    assert set(SUBCOMMANDS) - {"generate"} == set(OUTPUT_FOLDER_COMMANDS)  # generate writes no folder
+
+
+@pytest.mark.parametrize("command", sorted(OUTPUT_FOLDER_COMMANDS))
+def test_output_folder_is_output_dir_everywhere(no_model_loads, command):
+    argv = [command, *OUTPUT_FOLDER_COMMANDS[command]]
+    assert build_parser(command).parse_args([*argv, "--output-dir", "o"]).output_dir == "o"
+    assert build_parser(command).parse_args([*argv, "--output-dir=o"]).output_dir == "o"
+
+
+@pytest.mark.parametrize("old", ["--out", "--output"])
+@pytest.mark.parametrize("command", sorted(OUTPUT_FOLDER_COMMANDS))
+def test_old_output_spellings_refused_naming_output_dir(no_model_loads, capsys, command, old):
+    argv = [command, *OUTPUT_FOLDER_COMMANDS[command]]
+    for form in ([old, "o"], [f"{old}=o"]):
+        with pytest.raises(SystemExit) as done:
+            build_parser(command).parse_args([*argv, *form])
+        assert done.value.code == 2
+        err = capsys.readouterr().err.strip().splitlines()[-1]
+        assert f"{old} is" in err and "--output-dir" in err, err

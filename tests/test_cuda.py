@@ -140,11 +140,11 @@ def test_bench_command_on_the_device(tmp_path):
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("hello there", "how are you")))
     common = ["bench", "--target", target, "--drafter", "fresh", "--datasets", str(prompts), "--num-prompts", "2",
               "--max-new-tokens", "16", "--device", str(DEVICE), "--no-progress"]
-    assert main(common + ["--dtype", "fp32", "--out", str(tmp_path / "fp32")]) == 0
+    assert main(common + ["--dtype", "fp32", "--output-dir", str(tmp_path / "fp32")]) == 0
     data = json.loads((tmp_path / "fp32" / "results.json").read_text())
     assert data["environment"]["machine"]["device"].startswith(DEVICE.type)
     assert all(r["identical_to_plain"] for r in data["records"])
-    assert main(common + ["--dtype", "auto", "--calibrate-fp32", "--out", str(tmp_path / "auto")]) == 0
+    assert main(common + ["--dtype", "auto", "--calibrate-fp32", "--output-dir", str(tmp_path / "auto")]) == 0
     data = json.loads((tmp_path / "auto" / "results.json").read_text())
     assert data["meta"]["dtype"] == auto_dtype_label(DEVICE)
     assert all(row["fidelity_ok"] for row in data["aggregates"])
@@ -168,4 +168,4 @@ def test_bench_on_the_real_target():
     out = Path(os.environ.get("OUT", "/tmp")) / "bench-real-cuda"
     assert main(["bench", "--drafter", shipped, "--datasets", "sharegpt,humaneval", "--num-prompts", "1",
                  "--max-new-tokens", "32", "--device", str(DEVICE), "--dtype", "auto", "--methods",
-                 "plain,dflash2,builtin_dflash", "--no-progress", "--no-plots", "--out", str(out)]) == 0
+                 "plain,dflash2,builtin_dflash", "--no-progress", "--no-plots", "--output-dir", str(out)]) == 0

@@ -153,9 +153,9 @@ def test_cli_refuses_a_negative_temperature(capsys):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
-@pytest.mark.parametrize("command", [["prepare-data", "--out", "unused"], ["train", "--data", "unused", "--output-dir", "unused"],
-                                     ["generate", "--prompt", "hi"], ["demo", "--out", "unused"],
-                                     ["bench", "--drafter", "fresh", "--out", "unused"]])
+@pytest.mark.parametrize("command", [["prepare-data", "--output-dir", "unused"], ["train", "--data", "unused", "--output-dir", "unused"],
+                                     ["generate", "--prompt", "hi"], ["demo", "--output-dir", "unused"],
+                                     ["bench", "--drafter", "fresh", "--output-dir", "unused"]])
 def test_device_cuda_without_gpu_is_refused_before_any_work(command, capsys, tmp_path, monkeypatch):
     from dflash2_hf.cli import main
 

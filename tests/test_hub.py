@@ -173,9 +173,9 @@ def test_bench_results_section_quotes_the_command_and_table(tmp_path):
     from dflash2_hf.hub import bench_results_section
 
     (tmp_path / "results.md").write_text("# DFlash2 benchmark\n\n| tau | 1.5 |\n")
-    (tmp_path / "results.json").write_text(json.dumps({"meta": {"command": "dflash2 bench bench --out x"}}))
+    (tmp_path / "results.json").write_text(json.dumps({"meta": {"command": "dflash2 bench bench --output-dir x"}}))
     text = bench_results_section(tmp_path / "results.md")
-    assert text.startswith("Measured with `dflash2 bench --out x`") and text.endswith("| tau | 1.5 |\n")
+    assert text.startswith("Measured with `dflash2 bench --output-dir x`") and text.endswith("| tau | 1.5 |\n")
     assert "\n### DFlash2 benchmark\n" in text and "\n# " not in text  # a sub-heading of the card's results section
     assert bench_results_section(None) == "No benchmark was run for this folder."
 

@@ -51,7 +51,7 @@ def test_explicit_drafter_dtypes_are_kept(cpu_bf16):
 
 @pytest.mark.parametrize("command", ["demo", "generate", "bench"])
 def test_cli_accepts_auto_drafter_dtype(command):
-    extra = {"generate": ["--prompt", "hi"], "bench": ["--drafter", "fresh", "--out", "unused"]}.get(command, [])
+    extra = {"generate": ["--prompt", "hi"], "bench": ["--drafter", "fresh", "--output-dir", "unused"]}.get(command, [])
     args = build_parser().parse_args([command, *extra, "--drafter-dtype", "auto"])
     assert args.drafter_dtype == "auto"
     with pytest.raises(SystemExit):
@@ -169,7 +169,7 @@ def test_unknown_dtype_is_a_clear_error():
 
 @pytest.mark.parametrize("command, default", [("demo", "auto"), ("generate", "auto"), ("bench", "fp32")])
 def test_cli_dtype_choices_and_defaults(command, default):
-    extra = {"generate": ["--prompt", "hi"], "bench": ["--drafter", "fresh", "--out", "unused"]}.get(command, [])
+    extra = {"generate": ["--prompt", "hi"], "bench": ["--drafter", "fresh", "--output-dir", "unused"]}.get(command, [])
     assert build_parser().parse_args([command, *extra]).dtype == default
     for value in ("auto", "bf16", "fp32"):
         assert build_parser().parse_args([command, *extra, "--dtype", value]).dtype == value
@@ -197,7 +197,7 @@ def test_dtype_auto_loads_the_target_in_the_faster_dtype(monkeypatch, capsys, co
         raise _Loaded
 
     monkeypatch.setattr(targets, "load_target", fake_load)
-    extra = {"generate": ["--prompt", "hi"], "bench": ["--drafter", "fresh", "--out", "unused"]}.get(command, [])
+    extra = {"generate": ["--prompt", "hi"], "bench": ["--drafter", "fresh", "--output-dir", "unused"]}.get(command, [])
     with pytest.raises(_Loaded):
         main([command, *extra, "--dtype", "auto", "--device", "cpu"])
     assert loaded == [expected]

@@ -77,11 +77,11 @@ def test_cli_original_answers_and_target_labels_train_with_extra_data(tmp_path, 
     target.save_pretrained(tmp_path / "target")
     tok.save_pretrained(tmp_path / "target")
     t, src = str(tmp_path / "target"), str(_write_array(tmp_path / "sg.json", _good_records(8)))
-    assert main(["prepare-data", "--target", t, "--source", src, "--out", str(tmp_path / "orig"), "--stop", "8",
+    assert main(["prepare-data", "--target", t, "--source", src, "--output-dir", str(tmp_path / "orig"), "--stop", "8",
                  "--original-answers", "--max-prompt-tokens", "400"]) == 0
     meta = json.loads((tmp_path / "orig" / "meta.json").read_text())
     assert meta["generation"]["original_answers"] and meta["counts"]["kept"] == 8
-    assert main(["prepare-data", "--target", t, "--source", src, "--out", str(tmp_path / "regen"), "--stop", "4",
+    assert main(["prepare-data", "--target", t, "--source", src, "--output-dir", str(tmp_path / "regen"), "--stop", "4",
                  "--max-new-tokens", "6", "--no-progress"]) == 0
     out = tmp_path / "run"
     assert main(["train", "--target", t, "--data", str(tmp_path / "orig"), "--extra-data", str(tmp_path / "regen"),

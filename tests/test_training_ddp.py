@@ -63,7 +63,7 @@ def _prepare(tmp_path) -> None:
 
     tiny_chat_target_folder(tmp_path / "target")
     src = str(_write_array(tmp_path / "sg.json", _good_records(8)))
-    assert main(["prepare-data", "--target", str(tmp_path / "target"), "--source", src, "--out", str(tmp_path / "data"),
+    assert main(["prepare-data", "--target", str(tmp_path / "target"), "--source", src, "--output-dir", str(tmp_path / "data"),
                  "--stop", "8", "--max-new-tokens", "12", "--no-progress"]) == 0
 
 

@@ -102,7 +102,7 @@ def test_cli_trains_online_without_a_cache_and_decodes_losslessly(tmp_path, monk
     monkeypatch.setenv("DFLASH2_CACHE", str(tmp_path / "cache"))
     t = tiny_chat_target_folder(tmp_path / "target")
     src = str(_write_array(tmp_path / "sg.json", _good_records(4)))
-    assert main(["prepare-data", "--target", t, "--source", src, "--out", str(tmp_path / "regen"), "--stop", "4",
+    assert main(["prepare-data", "--target", t, "--source", src, "--output-dir", str(tmp_path / "regen"), "--stop", "4",
                  "--max-new-tokens", "8", "--no-progress"]) == 0
     out = tmp_path / "run"
     assert main(["train", "--target", t, "--data", str(tmp_path / "regen"), "--features", "online", "--num-layers", "1",

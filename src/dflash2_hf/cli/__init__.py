@@ -259,14 +259,18 @@ class _Renamed(argparse.Action):
         parser.error(f"{option_string} is spelled {self.new} in this command: {self.new} {values or 'FOLDER'}")
 
 
+OLD_OUTPUT_SPELLINGS = ("--out", "--output")
+
+
 def refuse_old_spellings(parser: argparse.ArgumentParser) -> None:
-    """The non-train commands name their output folder ``--out``: ``--output`` / ``--output-dir`` (train's, after
-    transformers' TrainingArguments) are refused with a message naming it."""
+    """Every command with an output folder names it ``--output-dir`` (train's, after transformers'
+    TrainingArguments): the old spellings ``--out`` / ``--output`` are refused with a message naming it (train
+    refuses ``--output`` itself, :data:`dflash2_hf.training.parser.RENAMED`)."""
     options = parser._option_string_actions  # noqa: SLF001 - argparse has no public "has option" query
-    if "--out" in options:
-        for old in ("--output", "--output-dir"):
+    if "--output-dir" in options:
+        for old in OLD_OUTPUT_SPELLINGS:
             if old not in options:
-                parser.add_argument(old, action=_Renamed, new="--out", dest=f"_renamed_{old[2:]}")
+                parser.add_argument(old, action=_Renamed, new="--output-dir", dest=f"_renamed_{old[2:]}")
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:

@@ -7,14 +7,14 @@ drafter), dflash2_top1 (our loop, selector off), dflash2 (our loop with the cand
 verification cost curve and the calibrated selector probabilities); with --adapter also dflash2_adapter (the
 drafter plus a LoRA adapter), with --previous-drafter also dflash2_previous (another drafter, e.g. the last release).
 
-Writes to --out: results.json (settings, versions, machine, per-prompt raw numbers, aggregates), results.md (the
+Writes to --output-dir: results.json (settings, versions, machine, per-prompt raw numbers, aggregates), results.md (the
 table printed at the end), acceptance_per_position.png and speedup.png. How to read the columns: docs/bench.md.
 
 Examples:
-  dflash2 bench --target smollm2 --drafter model_cards/dflash2-smollm2-135m-instruct --out runs/bench
+  dflash2 bench --target smollm2 --drafter model_cards/dflash2-smollm2-135m-instruct --output-dir runs/bench
   dflash2 bench --target smollm2 --drafter fresh --datasets sharegpt,humaneval --num-prompts 2 \\
-      --max-new-tokens 32 --out runs/bench-smoke
-  dflash2 bench --drafter my-drafter --datasets my_prompts.jsonl --temperature 0.7 --top-p 0.9 --out runs/t07
+      --max-new-tokens 32 --output-dir runs/bench-smoke
+  dflash2 bench --drafter my-drafter --datasets my_prompts.jsonl --temperature 0.7 --top-p 0.9 --output-dir runs/t07
 """
 
 from __future__ import annotations
@@ -107,7 +107,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "after its first draft whose selector probability is below this value (default 0.7)")
     parser.add_argument("--raw-prompts", action="store_true",
                         help="JSONL 'prompt' strings are fed as raw text instead of one user chat message")
-    parser.add_argument("--out", required=True, help="output folder")
+    parser.add_argument("--output-dir", required=True, help="output folder")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     parser.add_argument("--num-threads", type=positive_int, default=None, help="torch CPU threads (default: torch's default)")
     add_device_argument(parser, "the target and the drafter")
@@ -200,9 +200,9 @@ def run(args: argparse.Namespace) -> int:
         meta["adapter_bytes"] = adapter_size_bytes(args.adapter)
         if os.path.isdir(args.drafter):
             meta["drafter_bytes"] = checkpoint_size_bytes(args.drafter)
-    results = run_benchmark(target, drafter, prompts, settings, out_dir=args.out, meta=meta, plots=not args.no_plots,
+    results = run_benchmark(target, drafter, prompts, settings, out_dir=args.output_dir, meta=meta, plots=not args.no_plots,
                             adapted_drafter=adapted, reference_target=reference, previous_drafter=previous)
-    with open(f"{args.out}/results.md") as f:
+    with open(f"{args.output_dir}/results.md") as f:
         print(f.read())
     print("wrote: " + ", ".join(results["files"]))
     from ..bench.report import load_warning

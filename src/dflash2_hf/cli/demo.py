@@ -35,7 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-prompts", type=positive_int, default=3, help="per data set")
     parser.add_argument("--max-new-tokens", type=positive_int, default=128)
     parser.add_argument("--datasets", default="sharegpt,humaneval", type=dataset_list)
-    parser.add_argument("--out", default="runs/main", help="where results.json / results.md / plots go")
+    parser.add_argument("--output-dir", default="runs/main", help="where results.json / results.md / plots go")
     add_dtype_argument(parser, "auto")
     add_drafter_dtype_argument(parser, "auto", "auto")
     add_device_argument(parser, "the target and the drafter")
@@ -66,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
                + (("dflash2_dynamic",) if args.confidence_threshold else ()))
     settings = BenchSettings(max_new_tokens=args.max_new_tokens, methods=methods,
                              confidence_threshold=args.confidence_threshold or 0.7)
-    results = run_benchmark(target, drafter, prompts, settings, out_dir=args.out,
+    results = run_benchmark(target, drafter, prompts, settings, out_dir=args.output_dir,
                             meta={"target": args.target, "drafter": args.drafter, "dtype": dtype_label,
                                   "drafter_dtype": drafter_dtype_label,
                                   "cpu_kernels": cpu_kernels_summary(target)})
@@ -103,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
               f"generate()" + (f" ({agg['speedup_vs_plain_optimized']:.2f}x over plain on the same optimized kernels)"
                                if optimized else "") + f", greedy identical: {agg['identical_all']}{near}")
     print("\n".join(line for line in cost_curve_lines(results["aggregates"]) if line))
-    print(f"full results: {args.out}/results.md, {args.out}/results.json")
+    print(f"full results: {args.output_dir}/results.md, {args.output_dir}/results.json")
     from ..bench.report import load_warning
 
     warning = load_warning(results["environment"])
@@ -114,6 +114,6 @@ def run(args: argparse.Namespace) -> int:
             and a["fidelity_ok"] is False]
     if bugs:
         print(f"ERROR: greedy output differs from plain greedy beyond rounding for {bugs} (see 'Divergences' in "
-              f"{args.out}/results.md)", file=sys.stderr)
+              f"{args.output_dir}/results.md)", file=sys.stderr)
     return 1 if bugs else 0
 

@@ -1,11 +1,11 @@
 """Regenerate ShareGPT assistant turns with the target (training data for the drafter).
 
 Renders ShareGPT V3 conversations with the target's chat template, lets the target write the assistant turns
-itself (greedy, batched), and writes resumable JSONL shards + meta.json to --out (format: see
+itself (greedy, batched), and writes resumable JSONL shards + meta.json to --output-dir (format: see
 dflash2_hf.data.regenerate). Rerun the same command to resume after an interruption.
 
 Example:
-  dflash2 prepare-data --target smollm2 --out data/smollm2-sharegpt --start 0 --stop 16000 \\
+  dflash2 prepare-data --target smollm2 --output-dir data/smollm2-sharegpt --start 0 --stop 16000 \\
       --batch-size 8 --max-new-tokens 256 --num-threads 2
 """
 
@@ -25,7 +25,7 @@ _DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf1
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", default="smollm2",
                         help="target alias (smollm2, gemma3-270m) or a local transformers folder (default: smollm2)")
-    parser.add_argument("--out", required=True, help="output folder (resumed if it already holds a run)")
+    parser.add_argument("--output-dir", required=True, help="output folder (resumed if it already holds a run)")
     parser.add_argument("--source", default=None,
                         help="a ShareGPT-format JSON array file (your own conversations: a list of {\"id\", "
                              "\"conversations\": [{\"from\": \"human\"|\"gpt\"|\"system\", \"value\"}]}) instead of the "
@@ -79,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
     if args.original_answers:
         from ..data.original import prepare_original
 
-        counts = prepare_original(model, tokenizer, args.out, start=args.start, stop=args.stop,
+        counts = prepare_original(model, tokenizer, args.output_dir, start=args.start, stop=args.stop,
                                   max_tokens=args.max_prompt_tokens, target_name=args.target, source_path=args.source,
                                   shard_size=args.shard_size)
         print(json.dumps(counts, indent=2, default=str))
@@ -87,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
     note = args.note
     if dtype != torch.float32 and not note:
         note = f"generated in {args.dtype}: greedy output can differ from float32 serving"
-    counts = prepare_data(model, tokenizer, args.out, start=args.start, stop=args.stop, max_turns=args.max_turns,
+    counts = prepare_data(model, tokenizer, args.output_dir, start=args.start, stop=args.stop, max_turns=args.max_turns,
                           max_prompt_tokens=args.max_prompt_tokens, max_new_tokens=args.max_new_tokens,
                           batch_size=args.batch_size, target_name=args.target, shard_size=args.shard_size,
                           sort_window=args.sort_window, num_threads=args.num_threads, max_batches=args.max_batches,

@@ -155,7 +155,7 @@ def export_prepared(prepared_dir: str | os.PathLike, dataset_dir: str | os.PathL
     next export). Nothing is written when there is nothing new.
 
     Args:
-        prepared_dir: a ``dflash2 prepare-data --out`` folder.
+        prepared_dir: a ``dflash2 prepare-data --output-dir`` folder.
         dataset_dir: the dataset folder (created if missing).
         split: ``"train"`` or ``"dev"`` (records of ShareGPT [16000, 17000) must go to ``"dev"``).
         license: SPDX id written into the card.
@@ -329,8 +329,8 @@ target saw it, int32 token ids), `response_spans` (half-open `[start, end)` rang
 
 ## Use
 {use} Regenerate more on a fresh machine without redoing
-these: `dflash2 prepare-data --out WORK --start A --stop B --skip-records-in path/to/this/folder`, then
-`dflash2 export-data --data WORK --out path/to/this/folder` (appends one shard; earlier shards never change).
+these: `dflash2 prepare-data --output-dir WORK --start A --stop B --skip-records-in path/to/this/folder`, then
+`dflash2 export-data --data WORK --output-dir path/to/this/folder` (appends one shard; earlier shards never change).
 
 ## Shards
 | file | split | range asked | record ids | conversations | response tokens | truncated | skipped ids | size | created |

@@ -215,7 +215,7 @@ def _prepare_locked(target, tokenizer, out, start, stop, max_turns, max_prompt_t
             details = "; ".join(f"{k}: folder {show(_get(old, k))!r}, now {show(_get(meta, k))!r}"
                                 + (f" ({_RESUME_HINTS[k]})" if k in _RESUME_HINTS else "") for k in diff)
             raise ValueError(f"{out} holds data generated with other settings ({details}); rerun with the folder's "
-                             "settings to resume it, or use another --out folder")
+                             "settings to resume it, or use another --output-dir folder")
         old_batch = _get(old, "generation.batch_size")
         meta["created"] = old.get("created", meta["created"])
         meta["runs"] = old.get("runs", [])

@@ -56,7 +56,7 @@ class DataArguments:
 
     target: str = field(default="smollm2", metadata={"help": "target alias (smollm2, gemma3-270m) or a transformers "
                                                               "folder"})
-    data: str | None = field(default=None, metadata={"help": "prepared data folder (dflash2 prepare-data --out, or a "
+    data: str | None = field(default=None, metadata={"help": "prepared data folder (dflash2 prepare-data --output-dir, or a "
                                                              "committed dataset folder); required"})
     extra_data: list[str] = field(default_factory=list, metadata={
         "action": "append", "metavar": "DIR",
