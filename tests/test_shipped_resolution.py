@@ -88,3 +88,14 @@ def test_non_editable_install_says_what_to_do(tmp_path, monkeypatch):
     assert shipped.model_cards_dir() is None
     with pytest.raises(ShippedDrafterNotFoundError, match="non-editable install.*pip install -e"):
         shipped_drafter_path()
+
+
+def test_a_near_miss_of_a_shipped_name_is_refused_at_once():
+    import time
+
+    from dflash2_hf import DFlash2DraftModel
+
+    start = time.perf_counter()
+    with pytest.raises(ValueError, match="did you mean 'dflash2-smollm2-135m-instruct'"):
+        DFlash2DraftModel.from_pretrained("dflash2-smollm2")
+    assert time.perf_counter() - start < 5  # no Hub lookup, no retries

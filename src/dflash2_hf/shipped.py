@@ -13,6 +13,7 @@ lookup and no network retries); anything else is a Hub id.
 
 from __future__ import annotations
 
+import difflib
 import os
 from pathlib import Path
 
@@ -68,9 +69,19 @@ def shipped_drafter_path(name: str = SHIPPED_DRAFTER) -> str:
 def resolve_name_or_path(name_or_path: str | os.PathLike) -> str:
     """The path or Hub id to load for a drafter (or adapter) name: an existing path as given, a shipped name as its
     folder (:func:`shipped_drafter_path`), anything else unchanged (a missing local-looking path is refused later by
-    :func:`dflash2_hf.hub.is_local_path`'s callers, before any Hub lookup)."""
+    :func:`dflash2_hf.hub.is_local_path`'s callers, before any Hub lookup).
+
+    Raises:
+        ValueError: a bare name (no ``/``) that is no folder here and close to a shipped name, e.g.
+            ``"dflash2-smollm2"``: a typo, refused at once instead of a Hub lookup (and its retries when offline).
+    """
     path = os.fspath(name_or_path)
     if os.path.exists(path):
         return path
     name = shipped_name(path)
+    if name is None and "/" not in path:
+        close = difflib.get_close_matches(path, SHIPPED, n=1, cutoff=0.6)
+        if close:
+            raise ValueError(f"{path!r} is neither a folder here nor a shipped drafter: did you mean {close[0]!r}? "
+                             "(a Hub id has the form org/name)")
     return shipped_drafter_path(name) if name else path
