@@ -56,9 +56,8 @@ class CpuKernelReport:
     def summary(self) -> str:
         if not self.packed:
             return f"stock CPU kernels ({self.reason or 'no linear could be packed'})"
-        text = (f"prepacked oneDNN linears for {len(self.packed)} of {len(self.packed) + len(self.skipped)} linears "
+        return (f"prepacked oneDNN linears for {len(self.packed)} of {len(self.packed) + len(self.skipped)} linears "
                 f"(+{self.extra_bytes / 2**20:.0f} MiB)")
-        return text
 
 
 @functools.lru_cache(maxsize=None)
@@ -94,6 +93,7 @@ class PrepackedLinear(nn.Linear):
     """
 
     _dflash2_packed: tuple | None = None
+    _dflash2_one_row: tuple | None = None  # (torch threads, packed kernel wins for one row): the hot path's lookup
 
     def __getstate__(self):  # copy.deepcopy / pickle: the packed copy is opaque and rebuilt on first use
         state = super().__getstate__() if hasattr(super(), "__getstate__") else self.__dict__
@@ -119,8 +119,12 @@ class PrepackedLinear(nn.Linear):
                 or (torch.is_grad_enabled() and (weight.requires_grad or input.requires_grad))
                 or not _dtype_supported(weight.dtype)[0] or input.dim() < 2 or input.numel() == 0):
             return super().forward(input)
-        if input.numel() == input.shape[-1] and not _packed_wins_one_row(self, input):
-            return super().forward(input)  # one row: the stock GEMV, where it measured faster on this CPU
+        if input.numel() == input.shape[-1]:
+            threads = torch.get_num_threads()
+            if self._dflash2_one_row is None or self._dflash2_one_row[0] != threads:
+                self._dflash2_one_row = (threads, _packed_wins_one_row(self, input))
+            if not self._dflash2_one_row[1]:
+                return super().forward(input)  # one row: the stock GEMV, where it measured faster on this CPU
         return torch.ops.mkldnn._linear_pointwise(input, self._packed_weight(), bias, "none", [], "")
 
 

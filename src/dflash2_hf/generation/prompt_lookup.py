@@ -26,10 +26,9 @@ def ngram_continuation(input_ids: torch.LongTensor, max_ngram_size: int, max_tok
     (``m >= 1``); ``(0,)`` where no n-gram recurs or ``max_tokens < 1``.
     """
     ids = input_ids[0]
-    length = ids.shape[0]
-    for n in range(min(max_ngram_size, length - 1), min_ngram_size - 1, -1):
-        if max_tokens < 1 or n < 1:
-            break
+    if max_tokens < 1:
+        return ids.new_zeros(0)
+    for n in range(min(max_ngram_size, ids.shape[0] - 1), max(min_ngram_size, 1) - 1, -1):
         windows = ids.unfold(0, n, 1)[:-1]  # every n-gram that starts before the last one
         hits = (windows == ids[-n:]).all(dim=1).nonzero()
         if hits.numel():
