@@ -26,7 +26,7 @@ def test_prepare_train_lora_generate(tmp_path, monkeypatch, capsys):
 
     assert main(["prepare-data", "--target", t, "--output-dir", str(tmp_path / "data"), "--start", "0", "--stop", "12",
                  "--batch-size", "4", "--max-new-tokens", "24", "--max-prompt-tokens", "4000", "--no-progress"]) == 0
-    meta = json.load(open(tmp_path / "data" / "meta.json"))
+    meta = json.load(open(tmp_path / "data" / "dflash2_dataset.json"))
     assert meta["counts"]["kept"] > 0
 
     common = ["--target", t, "--data", str(tmp_path / "data"), "--num-blocks", "4", "--save-steps", "1000",
@@ -106,8 +106,8 @@ def test_prepare_train_lora_generate(tmp_path, monkeypatch, capsys):
     assert main(["prepare-data", "--target", t, "--output-dir", str(tmp_path / "code"), "--start", "0", "--stop", "20",
                  "--only-code", "--batch-size", "4", "--max-new-tokens", "8", "--max-prompt-tokens", "4000",
                  "--no-progress"]) == 0
-    code_meta = json.load(open(tmp_path / "code" / "meta.json"))
-    assert code_meta["source"]["filter"] == "code" and code_meta["counts"]["skipped"]["filtered_out"] >= 10
+    code_meta = json.load(open(tmp_path / "code" / "dflash2_dataset.json"))
+    assert code_meta["provenance"]["source"]["filter"] == "code" and code_meta["counts"]["skipped"]["filtered_out"] >= 10
     kept = code_meta["counts"]["kept"]
     assert kept >= 2
     code_common = [*common[:2], "--data", str(tmp_path / "code"), *common[4:6], *common[8:]]
@@ -163,16 +163,16 @@ def test_prepare_train_lora_generate(tmp_path, monkeypatch, capsys):
                                for i in range(3)]))
     assert main(["prepare-data", "--target", t, "--source", str(own), "--output-dir", str(tmp_path / "own"), "--stop", "3",
                  "--batch-size", "2", "--max-new-tokens", "4", "--no-progress"]) == 0
-    own_meta = json.load(open(tmp_path / "own" / "meta.json"))
-    assert own_meta["counts"]["kept"] == 3 and own_meta["source"]["path"] == str(own)
-    assert own_meta["source"]["dataset"] == "own.json"
+    own_meta = json.load(open(tmp_path / "own" / "dflash2_dataset.json"))
+    assert own_meta["counts"]["kept"] == 3 and own_meta["provenance"]["source"]["path"] == str(own)
+    assert own_meta["provenance"]["source"]["dataset"] == "own.json"
     other = tmp_path / "other.json"  # chat-template role names are accepted too
     other.write_text(json.dumps([{"conversations": [{"from": "user", "value": "hi"}, {"from": "assistant",
                                                                                     "value": "hello"}]}]))
     args = ["--target", t, "--stop", "3", "--batch-size", "2", "--max-new-tokens", "4", "--no-progress"]
     assert main(["prepare-data", *args, "--source", str(other), "--output-dir", str(tmp_path / "own")]) == 2  # other file
     assert main(["prepare-data", *args, "--source", str(other), "--output-dir", str(tmp_path / "other")]) == 0
-    assert json.load(open(tmp_path / "other" / "meta.json"))["counts"]["kept"] == 1
+    assert json.load(open(tmp_path / "other" / "dflash2_dataset.json"))["counts"]["kept"] == 1
     bad = tmp_path / "bad.json"
     bad.write_text('{"not": "an array"}')
     assert main(["prepare-data", *args, "--source", str(bad), "--output-dir", str(tmp_path / "bad-out")]) == 2

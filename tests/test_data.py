@@ -26,6 +26,7 @@ from dflash2_hf.data import (
     response_mask,
     sharegpt_prompts,
 )
+from dflash2_hf.data.prepared import read_dataset_meta, shard_files
 
 CHATML = ("{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
           "{{ '<|im_start|>system\nYou are a test bot<|im_end|>\n' }}{% endif %}"
@@ -228,11 +229,12 @@ def test_skips_are_counted_never_crash(tmp_path, tiny):
     loaded = load_prepared(tmp_path / "out")
     assert [r["record_id"] for r in loaded] == [0, 6, 7]
     assert "Be brief." in tok.decode(loaded[2]["input_ids"])
+    folder = read_dataset_meta(tmp_path / "out")
+    assert folder["counts"]["skipped"]["malformed"] == 2 and folder["status"] == "complete"
+    assert folder["runs"][0]["record_range"] == [0, len(recs)] and folder["runs"][0]["world_size"] == 1
     meta = read_meta(tmp_path / "out")
-    assert meta["counts"]["skipped"]["malformed"] == 2 and meta["status"] == "complete"
     assert meta["chat_template"]["text"] == CHATML and len(meta["chat_template"]["sha256"]) == 64
     assert meta["generation"]["max_new_tokens"] == 4 and meta["generation"]["do_sample"] is False
-    assert meta["source"]["record_range"] == [0, len(recs)]
 
 
 def test_chat_style_records_are_accepted():
@@ -260,7 +262,7 @@ def test_code_filter_keeps_code_conversations_only(tmp_path, tiny):
     assert counts["kept"] == 2 and counts["skipped"] == {"filtered_out": 2}
     assert [r["record_id"] for r in load_prepared(tmp_path / "out")] == [0, 2]
     assert read_meta(tmp_path / "out")["source"]["filter"] == "code"
-    with pytest.raises(ValueError, match="other settings.*source.filter"):  # a resume keeps the filter
+    with pytest.raises(ValueError, match="other settings: --only-code"):  # a resume keeps the filter
         prepare_data(model, tok, tmp_path / "out", stop=len(recs), max_prompt_tokens=300, max_new_tokens=2,
                      source_path=path, progress=False)
     with pytest.raises(ValueError, match="unknown record_filter"):
@@ -304,64 +306,96 @@ def test_multi_turn_layout_matches_template(tmp_path):
         assert [rec["input_ids"][s:e] for s, e in rec["response_spans"]] == [[EOS], [EOS]]
 
 
-def _all_lines(out_dir):
-    lines = []
-    for shard in sorted(out_dir.glob("shard-*.jsonl")):
-        lines += [json.loads(x) for x in shard.read_text().splitlines()]
-    return lines
+def test_resume_after_a_kill_equals_an_uninterrupted_run(tmp_path, tiny, monkeypatch):
+    """Shards appear complete or not at all: a kill while the second shard is written leaves the first, a temporary
+    file that readers and the restart ignore; the restart continues after the first shard and ends with the same
+    records as a run that was never interrupted; a third run has nothing to do."""
+    from dflash2_hf.data.shards import ShardWriter
 
-
-@pytest.mark.parametrize("tear", ["partial_no_newline", "garbage_last_line"])
-def test_resume_after_interruption(tmp_path, tiny, tear):
     model, tok = tiny
-    path = _write_array(tmp_path / "sg.json", _good_records(22) + [_conv(("bing", "x"))])
-    out = tmp_path / "out"
-    kw = dict(stop=23, max_new_tokens=3, batch_size=4, sort_window=1, shard_size=5, source_path=path,
+    path = _write_array(tmp_path / "sg.json", _good_records(10) + [_conv(("bing", "x"))])
+    kw = dict(stop=11, max_new_tokens=3, batch_size=2, sort_window=1, shard_size=4, source_path=path,
               progress=False)
-    first = prepare_data(model, tok, out, max_batches=2, **kw)
-    assert first["kept"] == 8 and not first["complete"]
-    assert read_meta(out)["status"] == "incomplete"
-    shards = sorted(out.glob("shard-*.jsonl"))
-    assert [len(s.read_text().splitlines()) for s in shards] == [5, 3]  # a batch split over two shards
-    # simulate a kill -9 in the middle of writing the next batch
-    good_size = shards[-1].stat().st_size
-    torn = '{"record_id": 8, "input_ids": [1, 2, 3], "resp' + ("" if tear == "partial_no_newline" else "\n")
-    with open(shards[-1], "a") as f:
-        f.write(torn)
-    with pytest.raises(PreparedDataError, match=r"shard-00001\.jsonl, line 4"):
-        load_prepared(out, allow_torn_tail=False)
-    assert len(load_prepared(out)) == 8  # readers tolerate the torn tail of a running / killed job
+    whole, out = tmp_path / "whole", tmp_path / "out"
+    prepare_data(model, tok, whole, **kw)
+    write = ShardWriter._write
+
+    def killed_at_second_shard(self):
+        if self.next_index == 1:
+            (self.data_dir / ".train-00001.parquet.tmp99999").write_bytes(b"PAR1 cut short")
+            raise KeyboardInterrupt  # the kill, in the middle of writing the second shard
+        write(self)
+
+    monkeypatch.setattr(ShardWriter, "_write", killed_at_second_shard)
+    with pytest.raises(KeyboardInterrupt):
+        prepare_data(model, tok, out, **kw)
+    monkeypatch.undo()
+    assert [p.name for p in shard_files(out)] == ["train-00000.parquet"]
+    assert [r["record_id"] for r in load_prepared(out)] == [0, 1, 2, 3]  # the temporary file is not read
 
     second = prepare_data(model, tok, out, **kw)
-    assert second["complete"] and second["kept"] == 22 and second["skipped"] == {"unknown_role": 1}
-    lines = _all_lines(out)
-    ids = [r["record_id"] for r in lines]
-    assert sorted(ids) == list(range(22)), "a record was lost or duplicated"
-    assert shards[-1].read_text().count("\n") == 5 and shards[-1].stat().st_size > good_size
-    assert [r["record_id"] for r in load_prepared(out)] == list(range(22))
-    meta = read_meta(out)
-    assert meta["counts"]["kept"] == 22 and len(meta["runs"]) == 2 and meta["runs"][1]["resumed_with"] == 8
-
-    third = prepare_data(model, tok, out, **kw)  # nothing left to do: no duplicates appended
-    assert third["generated_tokens"] == 0 and len(_all_lines(out)) == 22
+    assert second["complete"] and second["kept"] == 10 and second["skipped"] == {"unknown_role": 1}
+    assert load_prepared(out) == load_prepared(whole)
+    assert not list((out / "data").glob(".*")), "the temporary file of the killed run is left"
+    meta = read_dataset_meta(out)
+    assert meta["counts"]["kept"] == 10 and meta["status"] == "complete"
+    assert len(meta["runs"]) == 2 and meta["runs"][1]["resumed_with"] == 4
+    names = [p.name for p in shard_files(out)]
+    third = prepare_data(model, tok, out, **kw)  # nothing left to do: no duplicates, no new shard
+    assert third["generated_tokens"] == 0 and [p.name for p in shard_files(out)] == names
 
 
-def test_corrupt_middle_line_is_an_error(tmp_path, tiny):
+def test_max_batches_writes_the_last_partial_shard(tmp_path, tiny):
     model, tok = tiny
     path = _write_array(tmp_path / "sg.json", _good_records(6))
+    kw = dict(stop=6, max_new_tokens=2, batch_size=2, sort_window=1, shard_size=4, source_path=path, progress=False)
+    first = prepare_data(model, tok, tmp_path / "out", max_batches=1, **kw)
+    assert first["kept"] == 2 and not first["complete"]
+    assert read_dataset_meta(tmp_path / "out")["status"] == "incomplete"
+    assert prepare_data(model, tok, tmp_path / "out", **kw)["kept"] == 6
+
+
+def test_ranks_write_their_own_shards_and_read_back_the_union(tmp_path, tiny, monkeypatch):
+    """Two torchrun ranks (RANK / WORLD_SIZE, run one after the other here): each regenerates its own records into
+    its own shard files, without locks; the folder reads back as the union, as one process would have written it."""
+    model, tok = tiny
+    path = _write_array(tmp_path / "sg.json", _good_records(6))
+    kw = dict(stop=6, max_new_tokens=3, batch_size=2, shard_size=2, source_path=path, progress=False)
+    one, out = tmp_path / "one", tmp_path / "out"
+    prepare_data(model, tok, one, **kw)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for rank in (0, 1):
+        monkeypatch.setenv("RANK", str(rank))
+        prepare_data(model, tok, out, **kw)
+    assert [p.name for p in shard_files(out)] == ["train-r0-00000.parquet", "train-r0-00001.parquet",
+                                                  "train-r1-00000.parquet", "train-r1-00001.parquet"]
+    got = load_prepared(out)
+    assert [r["record_id"] for r in got] == list(range(6)) and got == load_prepared(one)
+    monkeypatch.delenv("RANK")
+    monkeypatch.delenv("WORLD_SIZE")
+    again = prepare_data(model, tok, out, **kw)  # one process afterwards: nothing left, the card counts all shards
+    assert again["generated_tokens"] == 0 and read_dataset_meta(out)["counts"]["kept"] == 6
+    monkeypatch.setenv("RANK", "2")
+    with pytest.raises(ValueError, match="RANK=2"):
+        prepare_data(model, tok, out, **kw)
+
+
+def test_corrupt_shard_is_an_error(tmp_path, tiny):
+    import pyarrow.parquet as pq
+
+    model, tok = tiny
+    path = _write_array(tmp_path / "sg.json", _good_records(3))
     out = tmp_path / "out"
-    prepare_data(model, tok, out, stop=6, max_new_tokens=2, batch_size=3, source_path=path, progress=False)
-    shard = out / "shard-00000.jsonl"
-    lines = shard.read_text().splitlines(keepends=True)
-    lines[1] = '{"record_id": 1, "input_ids": "oops", "response_spans": [], "num_response_tokens": 0}\n'
-    shard.write_text("".join(lines))
-    with pytest.raises(PreparedDataError, match=r"shard-00000\.jsonl, line 2: input_ids .*delete shard-00000"):
+    prepare_data(model, tok, out, stop=3, max_new_tokens=2, batch_size=3, source_path=path, progress=False)
+    shard = shard_files(out)[0]
+    table = pq.read_table(shard)
+    rows = table.to_pylist()
+    rows[1]["record_id"] = rows[0]["record_id"]  # a duplicated record
+    pq.write_table(table.from_pylist(rows, schema=table.schema), shard)
+    with pytest.raises(PreparedDataError, match=r"train-00000\.parquet, row 1: record_id 0 is already in"):
         load_prepared(out)
-    with pytest.raises(PreparedDataError, match="line 2"):
-        prepare_data(model, tok, out, stop=6, max_new_tokens=2, batch_size=3, source_path=path, progress=False)
-    lines[1] = lines[0]  # a duplicated record
-    shard.write_text("".join(lines))
-    with pytest.raises(PreparedDataError, match="already in"):
+    shard.write_bytes(shard.read_bytes()[:100])  # truncated
+    with pytest.raises(PreparedDataError, match="not a readable Parquet file"):
         load_prepared(out)
 
 
@@ -369,7 +403,8 @@ def test_resume_refuses_other_settings(tmp_path, tiny):
     model, tok = tiny
     path = _write_array(tmp_path / "sg.json", _good_records(2))
     prepare_data(model, tok, tmp_path / "out", stop=2, max_new_tokens=2, source_path=path, progress=False)
-    with pytest.raises(ValueError, match="max_new_tokens"):
+    with pytest.raises(ValueError, match=r"other settings: --max-new-tokens \(generation.max_new_tokens\): folder 2, "
+                                         "now 3"):
         prepare_data(model, tok, tmp_path / "out", stop=2, max_new_tokens=3, source_path=path, progress=False)
 
 
@@ -379,18 +414,33 @@ def test_load_prepared_as_dataset(tmp_path, tiny):
     prepare_data(model, tok, tmp_path / "out", stop=3, max_new_tokens=2, source_path=path, progress=False)
     ds = load_prepared(tmp_path / "out", as_dataset=True)
     assert len(ds) == 3 and ds[0]["record_id"] == 0 and isinstance(ds[0]["input_ids"], list)
-    with pytest.raises(FileNotFoundError, match="meta.json"):
+    with pytest.raises(FileNotFoundError, match="dflash2_dataset.json not found.*dflash2 prepare-data"):
         load_prepared(tmp_path / "nothing")
 
 
-def test_second_writer_is_refused(tmp_path, tiny):
-    from dflash2_hf.data.prepared import _DirLock
+def test_an_old_jsonl_folder_is_refused_and_converted_once(tmp_path, tiny):
+    """A folder of an older prepare-data (meta.json + shard-*.jsonl): reading or resuming it names the converter;
+    `export-data` turns it into a dataset folder (a torn last line is left out)."""
+    from dflash2_hf.cli import main
+    from dflash2_hf.data.hub_dataset import provenance
 
     model, tok = tiny
-    path = _write_array(tmp_path / "sg.json", _good_records(2))
-    (tmp_path / "out").mkdir()
-    with _DirLock(tmp_path / "out"):  # as if another prepare-data process were running on the folder
-        with pytest.raises(RuntimeError, match="another prepare-data process"):
-            prepare_data(model, tok, tmp_path / "out", stop=2, max_new_tokens=2, source_path=path, progress=False)
-    assert prepare_data(model, tok, tmp_path / "out", stop=2, max_new_tokens=2, source_path=path,
-                        progress=False)["kept"] == 2
+    path = _write_array(tmp_path / "sg.json", _good_records(3))
+    new = tmp_path / "new"
+    prepare_data(model, tok, new, stop=3, max_new_tokens=2, source_path=path, progress=False)
+    old = tmp_path / "old"
+    old.mkdir()
+    meta = dict(read_meta(new), counts={}, status="complete", runs=[])
+    meta["source"] = dict(meta["source"], record_range=[0, 3])
+    (old / "meta.json").write_text(json.dumps(meta))
+    lines = [json.dumps(r) + "\n" for r in load_prepared(new)]
+    (old / "shard-00000.jsonl").write_text("".join(lines) + '{"record_id": 3, "inp')
+    (old / "skipped.jsonl").write_text('{"record_id": 7, "reason": "malformed"}\n')
+    for call in (lambda: load_prepared(old), lambda: prepare_data(model, tok, old, stop=3, max_new_tokens=2,
+                                                                  source_path=path, progress=False)):
+        with pytest.raises(PreparedDataError, match="older `dflash2 prepare-data`.*dflash2 export-data --data"):
+            call()
+    assert main(["export-data", "--data", str(old), "--output-dir", str(tmp_path / "conv")]) == 0
+    assert load_prepared(tmp_path / "conv") == load_prepared(new)
+    assert provenance(meta) == read_meta(tmp_path / "conv")
+    assert 7 in __import__("dflash2_hf.data.prepared", fromlist=["x"]).done_record_ids(tmp_path / "conv")

@@ -1,14 +1,19 @@
-"""Committed, append-only Parquet dataset folders of regenerated data (dflash2_hf.data.hub_dataset)."""
+"""Hub-style dataset folders of regenerated data: written directly by prepare-data, the committed ones read unchanged
+(dflash2_hf.data.prepared / hub_dataset)."""
 
 from __future__ import annotations
 
 import hashlib
+from pathlib import Path
 
 import pytest
 
 from dflash2_hf.data import PreparedDataError, load_prepared, prepare_data, read_meta
-from dflash2_hf.data.hub_dataset import done_record_ids, export_prepared, read_dataset_meta
+from dflash2_hf.data.hub_dataset import dataset_card
+from dflash2_hf.data.prepared import done_record_ids, load_dataset_folder, read_dataset_meta, shard_files
 from test_data import _good_records, _tiny_llama, _tiny_tokenizer, _write_array
+
+COMMITTED = sorted((Path(__file__).resolve().parents[1] / "dataset_cards").iterdir())
 
 
 @pytest.fixture(scope="module")
@@ -21,22 +26,17 @@ def _sha(path):
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def test_export_appends_shards_and_reads_back(tmp_path, tiny):
+def test_prepare_data_writes_a_hub_folder_and_extends_it_with_new_files(tmp_path, tiny):
     model, tok = tiny
     src = _write_array(tmp_path / "sg.json", _good_records(6))
-    work, ds = tmp_path / "work", tmp_path / "ds"
-    prepare_data(model, tok, work, stop=3, max_new_tokens=4, batch_size=2, source_path=src, progress=False)
-    first = export_prepared(work, ds)
-    assert first["shard"] == "data/train-00000.parquet" and first["new_records"] == 3
-    shard0 = ds / first["shard"]
+    ds = tmp_path / "ds"
+    prepare_data(model, tok, ds, stop=3, max_new_tokens=4, batch_size=2, source_path=src, progress=False)
+    shard0 = ds / "data" / "train-00000.parquet"
     digest0 = _sha(shard0)
-    assert export_prepared(work, ds)["shard"] is None  # nothing new: nothing written
-
-    prepare_data(model, tok, work, stop=6, max_new_tokens=4, batch_size=2, source_path=src, progress=False)
-    second = export_prepared(work, ds)
-    assert second["shard"] == "data/train-00001.parquet" and second["new_records"] == 3
+    prepare_data(model, tok, ds, stop=6, max_new_tokens=4, batch_size=2, source_path=src, progress=False)
+    assert [p.name for p in shard_files(ds)] == ["train-00000.parquet", "train-00001.parquet"]
     assert _sha(shard0) == digest0  # earlier shards are never rewritten
-    assert load_prepared(ds) == load_prepared(work)
+    assert [r["record_id"] for r in load_prepared(ds)] == list(range(6))
     assert read_meta(ds)["generation"]["max_new_tokens"] == 4
     import datasets
 
@@ -46,17 +46,29 @@ def test_export_appends_shards_and_reads_back(tmp_path, tiny):
     assert "path: data/train-*.parquet" in card and "| `data/train-00001.parquet` |" in card
     # a --source file is named as the prompts' origin; the card does not claim ShareGPT's provenance or license
     assert "prompts from the ShareGPT-format file `sg.json`" in card and "ShareGPT V3" not in card
+    assert "export-data" not in card and "dflash2 prepare-data --target" in card
+
+
+@pytest.mark.parametrize("folder", COMMITTED, ids=lambda p: p.name)
+def test_every_committed_folder_still_loads(folder):
+    """The folders under dataset_cards/ (written by export-data, shards listed in dflash2_dataset.json) load unchanged:
+    every listed shard, every record, the skipped ids counted as done."""
+    meta = read_dataset_meta(folder)
+    for split in ("train", "dev"):
+        want = sum(s["records"] for s in meta["shards"] if s["split"] == split)
+        assert len(load_dataset_folder(folder, split=split)) == want
+    skipped = {i for s in meta["shards"] for i in s["skipped_record_ids"]}
+    assert skipped <= done_record_ids(folder) and len(done_record_ids(folder)) >= len(skipped)
 
 
 def test_the_committed_dataset_card_is_rendered_from_its_metadata():
-    """The shipped ShareGPT set's README is exactly what dataset_card() writes from its dflash2_dataset.json."""
-    from pathlib import Path
-
-    from dflash2_hf.data.hub_dataset import dataset_card
-
-    folder = Path(__file__).resolve().parents[1] / "dataset_cards" / "smollm2-135m-instruct-sharegpt-regenerated"
+    """The shipped ShareGPT set's README: its header (the splits datasets reads) and shard table are what
+    dataset_card() writes from its dflash2_dataset.json."""
+    folder = COMMITTED[0].parent / "smollm2-135m-instruct-sharegpt-regenerated"
     card = dataset_card(read_dataset_meta(folder))
-    assert card == (folder / "README.md").read_text()
+    committed = (folder / "README.md").read_text()
+    assert card.split("\n# ")[0] == committed.split("\n# ")[0]
+    assert card.split("## Shards")[1] == committed.split("## Shards")[1]
     assert "prompts from ShareGPT V3" in card and "nothing from 17000 on is ever read" in card
 
 
@@ -67,46 +79,45 @@ def test_an_evaluation_only_folder_serves_its_dev_split_for_evaluation(tmp_path,
 
     model, tok = tiny
     src = _write_array(tmp_path / "val.json", _good_records(4))
-    work, ds = tmp_path / "work", tmp_path / "ds"
-    prepare_data(model, tok, work, stop=4, max_new_tokens=3, source_path=src, progress=False)
-    export_prepared(work, ds, split="dev")
+    ds = tmp_path / "ds"
+    prepare_data(model, tok, ds, stop=4, max_new_tokens=3, source_path=src, progress=False, split="dev")
+    assert [p.name for p in shard_files(ds)] == ["dev-00000.parquet"]
     assert [r["record_id"] for r in load_training_records(ds, train_only=False)] == [0, 1, 2, 3]
     assert [r["record_id"] for r in load_training_records(ds)] == [0, 1, 2, 3] and "no train split" in caplog.text
     card = (ds / "README.md").read_text()
     assert "(drafter evaluation data)" in card and 'split="dev"' in card and "never train on it" in card
+    with pytest.raises(ValueError, match="outside the train range"):  # ShareGPT dev records never go to train
+        prepare_data(model, tok, tmp_path / "sg", start=16000, stop=16002, progress=False)
 
 
-def test_fresh_machine_resumes_from_the_dataset(tmp_path, tiny):
+def test_another_folder_s_records_count_as_done(tmp_path, tiny):
     model, tok = tiny
     src = _write_array(tmp_path / "sg.json", _good_records(5) + [{"id": "bad", "conversations": []}])
-    first_work, ds = tmp_path / "w1", tmp_path / "ds"
-    prepare_data(model, tok, first_work, stop=6, max_new_tokens=3, source_path=src, progress=False)
-    export_prepared(first_work, ds)
+    ds = tmp_path / "ds"
+    prepare_data(model, tok, ds, stop=6, max_new_tokens=3, source_path=src, progress=False)
     assert done_record_ids(ds) == set(range(6))  # the skipped record (no human turn) counts as done too
-    # a new machine: empty working folder, only the dataset folder survived
     counts = prepare_data(model, tok, tmp_path / "w2", stop=6, max_new_tokens=3, source_path=src, progress=False,
                           skip_records_in=[ds])
     assert counts["generated_tokens"] == 0 and counts["kept"] == 0
-    with pytest.raises(ValueError, match="max_new_tokens"):
+    with pytest.raises(ValueError, match="--max-new-tokens"):
         prepare_data(model, tok, tmp_path / "w3", stop=6, max_new_tokens=5, source_path=src, progress=False,
                      skip_records_in=[ds])
 
 
-def test_other_settings_and_corrupt_shards_are_refused(tmp_path, tiny):
+def test_a_missing_or_foreign_shard_is_an_error(tmp_path, tiny):
     model, tok = tiny
     src = _write_array(tmp_path / "sg.json", _good_records(2))
     ds = tmp_path / "ds"
-    prepare_data(model, tok, tmp_path / "a", stop=2, max_new_tokens=2, source_path=src, progress=False)
-    export_prepared(tmp_path / "a", ds)
-    prepare_data(model, tok, tmp_path / "b", stop=2, max_new_tokens=3, source_path=src, progress=False)
-    with pytest.raises(ValueError, match="other settings"):
-        export_prepared(tmp_path / "b", ds)
-    with pytest.raises(ValueError, match="split"):
-        export_prepared(tmp_path / "a", ds, split="test")
-    shard = ds / read_dataset_meta(ds)["shards"][0]["file"]
-    shard.write_bytes(shard.read_bytes()[:100])  # truncated
-    with pytest.raises(PreparedDataError, match="train-00000.parquet.*restore it from git"):
-        load_prepared(ds)
+    prepare_data(model, tok, ds, stop=2, max_new_tokens=2, source_path=src, progress=False)
+    shard = shard_files(ds)[0]
+    foreign = ds / "data" / "train-99999.parquet"
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"x": [1]}), foreign)
+    with pytest.raises(PreparedDataError, match="train-99999.parquet carries no dflash2 metadata"):
+        done_record_ids(ds)
+    foreign.unlink()
     shard.unlink()
     with pytest.raises(FileNotFoundError, match="missing"):
         load_prepared(ds)

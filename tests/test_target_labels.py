@@ -79,8 +79,8 @@ def test_cli_original_answers_and_target_labels_train_with_extra_data(tmp_path, 
     t, src = str(tmp_path / "target"), str(_write_array(tmp_path / "sg.json", _good_records(8)))
     assert main(["prepare-data", "--target", t, "--source", src, "--output-dir", str(tmp_path / "orig"), "--stop", "8",
                  "--original-answers", "--max-prompt-tokens", "400"]) == 0
-    meta = json.loads((tmp_path / "orig" / "meta.json").read_text())
-    assert meta["generation"]["original_answers"] and meta["counts"]["kept"] == 8
+    meta = json.loads((tmp_path / "orig" / "dflash2_dataset.json").read_text())
+    assert meta["provenance"]["generation"]["original_answers"] and meta["counts"]["kept"] == 8
     assert main(["prepare-data", "--target", t, "--source", src, "--output-dir", str(tmp_path / "regen"), "--stop", "4",
                  "--max-new-tokens", "6", "--no-progress"]) == 0
     out = tmp_path / "run"

@@ -388,6 +388,41 @@ def test_follow_data_adds_new_records(tmp_path, target):
     assert cb.refresh() == 0
 
 
+def test_follow_data_picks_up_a_new_shard_of_the_data_folder(tmp_path, target):
+    """--follow-data on a folder prepare-data is still writing: each refresh re-reads the folder's complete shards,
+    so a shard written after the start is trained on; a shard being written (a temporary file) is not read."""
+    import functools
+
+    from dflash2_hf.data.hub_dataset import write_folder_meta
+    from dflash2_hf.data.shards import ShardWriter
+    from dflash2_hf.training import FollowDataCallback, load_training_records
+
+    def shard_record(r):
+        start = r["response_mask"].index(1)
+        end = len(r["input_ids"])
+        return {"record_id": r["record_id"], "input_ids": r["input_ids"], "num_response_tokens": end - start,
+                "response_spans": [[start, end]]}
+
+    drafter = _drafter(target)
+    recs, folder = _records(5, seed=17), tmp_path / "data"
+    writer = ShardWriter(folder, "train", shard_size=2)
+    for r in recs[:2]:
+        writer.add(shard_record(r))
+    write_folder_meta(folder, {"target": {"name": "tiny", "vocab_size": VOCAB}, "source": {"dataset": "synthetic"}})
+    (folder / "data" / ".train-00001.parquet.tmp1").write_bytes(b"PAR1 being written")
+    load = functools.partial(load_training_records, folder)
+    cache = FeatureCache(tmp_path / "feat", "tiny-llama", drafter.config.target_layer_ids)
+    cache.build(target, load(), progress=False)
+    ds = FeatureDataset(load(), cache)
+    cb = FollowDataCallback(ds, cache, target, load_records=load)
+    assert len(ds) == 2 and cb.refresh() == 0
+    for r in recs[2:]:  # prepare-data completes its next shard (2 records) and holds the last one in memory
+        writer.add(shard_record(r))
+    assert cb.refresh() == 2 and len(ds) == 4 and [r["record_id"] for r in ds.records] == [0, 1, 2, 3]
+    writer.close()
+    assert cb.refresh() == 1 and len(ds) == 5
+
+
 def test_follow_data_grows_a_concatenation_with_extra_data(tmp_path, target):
     """--follow-data next to --extra-data: records appended to the first part are drawn (indexable) afterwards."""
     from dflash2_hf.training import FollowDataCallback, GrowingConcatDataset

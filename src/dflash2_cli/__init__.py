@@ -17,8 +17,8 @@ SUBCOMMANDS = {
     "demo": ("demo", "The main job: the shipped drafter on the bundled real target, real prompts, text + tau + speedup."),
     "prepare-data": ("prepare_data", "Regenerate ShareGPT assistant turns with the target (training data for the "
                                      "drafter)."),
-    "export-data": ("export_data", "Append regenerated data to a committed, Hub-style dataset folder (Parquet shards + "
-                                   "dataset card)."),
+    "export-data": ("export_data", "Convert a JSONL folder of an older prepare-data into a Hub-style dataset folder "
+                                   "(Parquet shards + dataset card)."),
     "train": ("train", "Train a DFlash2 drafter on target-regenerated data (cached or online target features; torchrun "
                        "/ accelerate DDP)."),
     "bench": ("bench", "Benchmark DFlash2 speculative decoding against plain generate() and the other baselines."),

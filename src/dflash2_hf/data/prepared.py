@@ -1,91 +1,50 @@
-"""The prepared-data folder written by :func:`.regenerate.prepare_data` (and ``--original-answers``): its format,
-validation, locking and reading (:func:`load_prepared`, :func:`read_meta`).
+"""Reading regenerated training data: the Hub-style dataset folder that ``dflash2 prepare-data`` writes.
 
-On-disk format (``out_dir``)
-----------------------------
-``shard-00000.jsonl``, ``shard-00001.jsonl``, ...
-    One kept conversation per line (UTF-8 JSON, ``\\n``-terminated), at most ``shard_size`` lines per shard::
+Layout (``dataset_dir``)::
 
-        {"record_id": 123,                # index of the record in the ShareGPT JSON array (unique key)
-         "source_id": "QWJhYvA_0",        # the record's own "id" field (not unique in ShareGPT)
-         "input_ids": [1, 9690, ...],     # the whole conversation, exactly the token ids the target saw:
-                                          #   prompt of turn 1 + its response + template text up to the
-                                          #   next assistant turn + its response ...
-         "response_spans": [[41, 298]],   # half-open [start, end) index ranges into input_ids of the
-                                          #   regenerated responses: assistant content + its end-of-turn token
-         "num_response_tokens": 257,      # sum of the span lengths
-         "num_turns": 1,                  # regenerated assistant turns
-         "truncated": false}              # the last response hit max_new_tokens (it has no end-of-turn token)
+    README.md                       dataset card (YAML header with ``configs`` so ``datasets.load_dataset(dir)``
+                                    reads the splits; provenance, settings, counts, shard table, license)
+    dflash2_dataset.json            format name/version, the generation provenance shared by all shards (target,
+                                    chat template and its sha256, generation settings, source file), one entry per
+                                    shard, the folder's counts, status and the runs that wrote it
+    data/<split>-<NNNNN>.parquet    one complete shard (``<split>-r<rank>-<NNNNN>.parquet`` when written by a rank of
+                                    a ``torchrun`` regeneration). Columns: record_id int64, source_id string,
+                                    input_ids list<int32> (the whole conversation as the target saw it),
+                                    response_spans list<list<int32>> (half-open [start, end) ranges of the
+                                    regenerated responses in input_ids, each ending with the end-of-turn token
+                                    unless truncated), num_response_tokens int32, num_turns int32, truncated bool.
+                                    The file's key-value metadata ``dflash2`` (JSON) holds its counts and the record
+                                    ids skipped while it filled (so a resumed run does not retry them).
 
-    Token ids are ints < vocab size. Lines are appended one batch at a time with flush + fsync; lines appear
-    in batch order (not sorted by ``record_id``).
-``skipped.jsonl``
-    ``{"record_id": 7, "reason": "prompt_too_long"}`` per record left out (reasons: ``malformed``,
-    ``unknown_role``, ``no_human_turn``, ``empty_turn``, ``prompt_too_long``, ``filtered_out`` with a
-    ``record_filter``).
-``meta.json``
-    Provenance, rewritten atomically after every batch: format version, package / torch / transformers
-    versions, target (name, path, class, dtype, vocab), chat template (sha256 and full text), generation
-    settings (greedy, max_new_tokens, max_prompt_tokens, max_turns, stop token ids, batch size, left padding),
-    source data set and record range, counts (kept, skipped per reason, tokens), throughput, and ``status``
-    (``"running"``, ``"incomplete"`` when stopped by ``max_batches``, ``"complete"``).
+A shard appears in ``data/`` only complete (written under a hidden temporary name, fsynced, renamed): a reader - a
+training run with ``--follow-data`` included - never sees a partial one, so it can read the folder while
+``prepare-data`` is still writing it. Shard entries of folders written by ``dflash2 export-data`` before shards carried
+their own metadata are read from ``dflash2_dataset.json``.
 
-``.lock``
-    ``flock``-ed by the running prepare-data (a second process on the same folder is refused).
-
-Resuming: running :func:`prepare_data` again on the same ``out_dir`` (same target / template / generation
-settings, otherwise ValueError) reads the record ids already in the shards and in ``skipped.jsonl`` and
-skips them, so a ``kill -9`` at any moment loses at most the batch in flight and never duplicates a record.
-A torn last line (a write cut by the kill) is detected and cut off before appending.
+Reading: :func:`load_prepared` (the ``train`` split) and :func:`load_dataset_folder` (any split) validate every row
+(keys, ints, spans inside ``input_ids``, token ids < the target's vocab size, no repeated ``record_id``).
+``datasets.load_dataset(dataset_dir)`` reads the same files.
 """
 
 from __future__ import annotations
 
 import json
-import logging
 import os
-import platform
 from pathlib import Path
 
-logger = logging.getLogger(__name__)
-
-_SHARD_FMT = "shard-{:05d}.jsonl"
-_SKIPPED = "skipped.jsonl"
-_META = "meta.json"
+DATASET_FORMAT = "dflash2-regenerated-chat-parquet"
+DATASET_FORMAT_VERSION = 1
+DATASET_META = "dflash2_dataset.json"
+SPLITS = ("train", "dev")
+SHARD_INFO_KEY = b"dflash2"  # Parquet key-value metadata of a shard: its counts and skipped record ids (JSON)
 
 
 class PreparedDataError(ValueError):
-    """A prepared-data folder is corrupt or inconsistent (the message names the file, line and the fix)."""
+    """A dataset folder is corrupt, inconsistent or of an old format (the message names the file and the fix)."""
 
 
-# ----------------------------------------------------------------------------------------------- files
-
-
-def _fsync_append(path: Path, lines: list[str]) -> None:
-    if not lines:
-        return
-    with open(path, "a", encoding="utf-8") as f:
-        f.write("".join(lines))
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _atomic_write_json(path: Path, obj: dict) -> None:
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=2, ensure_ascii=False)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def _shards(out_dir: Path) -> list[Path]:
-    return sorted(out_dir.glob("shard-*.jsonl"))
-
-
-def _validate_record(rec, vocab_size: int | None = None) -> str | None:
-    """Why a decoded shard line is not a valid record (None if it is)."""
+def validate_record(rec, vocab_size: int | None = None) -> str | None:
+    """Why ``rec`` is not a valid record (None if it is): see the column list of the module docstring."""
     if not isinstance(rec, dict):
         return "not a JSON object"
     for key in ("record_id", "input_ids", "response_spans", "num_response_tokens"):
@@ -113,174 +72,163 @@ def _validate_record(rec, vocab_size: int | None = None) -> str | None:
     return None
 
 
-def _read_jsonl(path: Path, validate, repair_tail: bool, allow_torn_tail: bool) -> list[dict]:
-    """Records of a JSONL file, each checked by ``validate`` (returns None or the problem).
-
-    A torn tail - a last line without its newline, or an undecodable / invalid LAST line - is what a kill in
-    the middle of a write leaves: it is cut off the file (``repair_tail``), ignored with a warning
-    (``allow_torn_tail``) or an error. A bad line anywhere else is always an error.
-    """
-    lines = path.read_bytes().split(b"\n")
-    tail = lines.pop()  # b"" when the file ends with a newline, else the partial last line
-    out: list[dict] = []
-    offset = 0
-    torn = None
-    for lineno, raw in enumerate(lines, start=1):
-        try:
-            rec = json.loads(raw.decode("utf-8"))
-            problem = validate(rec)
-        except (UnicodeDecodeError, json.JSONDecodeError) as err:
-            problem = f"not valid JSON ({err})"
-        if problem is not None:
-            if lineno == len(lines) and not tail:
-                torn = (lineno, problem)
-                break
-            raise PreparedDataError(
-                f"{path}, line {lineno}: {problem}. The file is corrupt in the middle (not a torn last line): "
-                f"delete {path.name} (its records are regenerated by the next `dflash2 prepare-data` run with "
-                f"the same --output-dir) or regenerate into a fresh folder.")
-        out.append(rec)
-        offset += len(raw) + 1
-    else:
-        if tail:
-            torn = (len(lines) + 1, "torn last line (no trailing newline)")
-    if torn is not None:
-        lineno, problem = torn
-        if repair_tail:
-            logger.warning("%s, line %d: %s - left by an interrupted run; cutting it off (its records are "
-                           "regenerated)", path, lineno, problem)
-            with open(path, "r+b") as f:
-                f.truncate(offset)
-                f.flush()
-                os.fsync(f.fileno())
-        elif allow_torn_tail:
-            logger.warning("%s, line %d: %s - ignored (an interrupted or still running prepare-data; rerun it "
-                           "with the same --output-dir to repair the file)", path, lineno, problem)
-        else:
-            raise PreparedDataError(
-                f"{path}, line {lineno}: {problem}. Rerun `dflash2 prepare-data` with the same --output-dir: it cuts the "
-                f"torn line off and regenerates its records.")
-    return out
-
-
-def _validate_skip(rec) -> str | None:
-    if not isinstance(rec, dict) or not isinstance(rec.get("record_id"), int) or not isinstance(rec.get("reason"), str):
-        return "not a {record_id: int, reason: str} object"
-    return None
-
-
-def _scan(out_dir: Path, repair: bool, allow_torn_tail: bool = False, vocab_size: int | None = None):
-    """-> (records by shard path, skipped list). Raises PreparedDataError on duplicates / corrupt lines."""
-    per_shard: dict[Path, list[dict]] = {}
-    seen: dict[int, str] = {}
-    for shard in _shards(out_dir):
-        recs = _read_jsonl(shard, lambda r: _validate_record(r, vocab_size), repair, allow_torn_tail)
-        for lineno, rec in enumerate(recs, start=1):
-            rid = rec["record_id"]
-            if rid in seen:
-                raise PreparedDataError(
-                    f"{shard}, line {lineno}: record_id {rid} already in {seen[rid]}; the folder mixes two runs. "
-                    "Regenerate into a fresh --output-dir folder.")
-            seen[rid] = f"{shard.name}"
-        per_shard[shard] = recs
-    skipped = []
-    sk = out_dir / _SKIPPED
-    if sk.exists():
-        skipped = _read_jsonl(sk, _validate_skip, repair, allow_torn_tail)
-    return per_shard, skipped
-
-
-class _DirLock:
-    """Exclusive ``flock`` on ``out_dir/.lock`` for the life of a run: two prepare-data processes writing the same
-    folder would duplicate records. The kernel releases it when the process dies (kill -9 included)."""
-
-    def __init__(self, out_dir: Path):
-        self.path = out_dir / ".lock"
-        self.fd = None
-
-    def __enter__(self):
-        import fcntl
-
-        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            holder = os.pread(self.fd, 200, 0).decode(errors="replace").strip()
-            os.close(self.fd)
-            raise RuntimeError(f"{self.path.parent} is being written by another prepare-data process ({holder or 'pid ?'});"
-                               " wait for it or stop it before resuming") from None
-        os.ftruncate(self.fd, 0)
-        os.pwrite(self.fd, f"pid {os.getpid()} on {platform.node()}\n".encode(), 0)
-        return self
-
-    def __exit__(self, *exc):
-        import fcntl
-
-        fcntl.flock(self.fd, fcntl.LOCK_UN)
-        os.close(self.fd)
-
-
-def _get(d: dict, dotted: str):
+def get_dotted(d: dict, dotted: str):
+    """``d["a"]["b"]`` for ``"a.b"``; ``{}`` where a key is missing."""
     for k in dotted.split("."):
         d = d.get(k, {}) if isinstance(d, dict) else {}
     return d
 
 
-# ----------------------------------------------------------------------------------------------- reading
+def is_legacy_folder(path: str | os.PathLike) -> bool:
+    """True for a JSONL folder of an older ``prepare-data`` (``meta.json`` + ``shard-*.jsonl``)."""
+    p = Path(path)
+    return (p / "meta.json").is_file() and not (p / DATASET_META).is_file()
 
 
-def read_meta(out_dir: str | os.PathLike) -> dict:
-    """The ``meta.json`` of a prepared-data folder (for a dataset folder of :mod:`.hub_dataset`: its shared
-    provenance, same keys). Raises FileNotFoundError naming the folder."""
-    from .hub_dataset import is_dataset_folder, read_dataset_meta
-
-    if is_dataset_folder(out_dir):
-        return read_dataset_meta(out_dir)["provenance"]
-    path = Path(out_dir) / _META
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} not found: {out_dir} is not a prepare-data output folder "
-                                "(run `dflash2 prepare-data --output-dir ...` first)")
-    return json.loads(path.read_text(encoding="utf-8"))
+def refuse_legacy(path: str | os.PathLike) -> None:
+    """Raises PreparedDataError naming the converter when ``path`` is an old JSONL folder."""
+    if is_legacy_folder(path):
+        raise PreparedDataError(
+            f"{path} is a JSONL folder of an older `dflash2 prepare-data` (meta.json + shard-*.jsonl), a format "
+            f"that is no longer read. Convert it once: `dflash2 export-data --data {path} --output-dir NEW_FOLDER` "
+            "(then use NEW_FOLDER; prepare-data continues it too)")
 
 
-def load_prepared(out_dir: str | os.PathLike, allow_torn_tail: bool = True, as_dataset: bool = False):
-    """Read the regenerated conversations of ``out_dir`` (written by :func:`prepare_data`, or the ``train`` split of a
-    dataset folder written by :func:`~.hub_dataset.export_prepared`), sorted by record_id.
+def is_dataset_folder(path: str | os.PathLike) -> bool:
+    """True when ``path`` holds ``dflash2_dataset.json`` (a folder of ``prepare-data`` or ``export-data``)."""
+    return (Path(path) / DATASET_META).is_file()
 
-    Every line is validated (JSON, keys, ints, spans inside ``input_ids``, token ids < the target's vocab size,
-    no duplicate ``record_id``). A torn last line of a file - left by an interrupted or still running
-    prepare-data - is ignored with a warning when ``allow_torn_tail`` (the file is not modified).
 
-    Returns:
-        A list of dicts (``record_id`` int, ``input_ids`` list[int], ``response_spans`` list[[int, int]],
-        ``num_response_tokens`` int, ...; see the module docstring), or a ``datasets.Dataset`` with those
-        columns when ``as_dataset``.
+def read_dataset_meta(dataset_dir: str | os.PathLike) -> dict:
+    """``dflash2_dataset.json`` of a dataset folder.
 
     Raises:
-        FileNotFoundError: no meta.json / no shard in ``out_dir``.
-        PreparedDataError: a corrupt line (the message names the file, the line and the fix).
+        FileNotFoundError: not a dataset folder (the message says how to make one).
+        PreparedDataError: an old JSONL folder, or the file is not valid JSON of this format.
     """
-    from .hub_dataset import is_dataset_folder, load_dataset_folder
+    refuse_legacy(dataset_dir)
+    path = Path(dataset_dir) / DATASET_META
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found: {dataset_dir} is not a dataset folder (make one with "
+                                "`dflash2 prepare-data --output-dir ...`)")
+    try:
+        meta = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as err:
+        raise PreparedDataError(f"{path} is not valid JSON ({err}); restore it from git "
+                                f"(`git checkout -- {path}`)") from None
+    if not isinstance(meta, dict) or meta.get("format") != DATASET_FORMAT:
+        raise PreparedDataError(f"{path}: format {meta.get('format') if isinstance(meta, dict) else None!r}, "
+                                f"expected {DATASET_FORMAT!r}")
+    return meta
 
-    if is_dataset_folder(out_dir):
-        recs = load_dataset_folder(out_dir, split="train")
-        if as_dataset:
-            import datasets
 
-            return datasets.Dataset.from_list(recs)
-        return recs
-    out = Path(out_dir)
-    meta = read_meta(out)
-    if not _shards(out):
-        raise FileNotFoundError(f"{out} has no shard-*.jsonl files yet")
-    per_shard, _ = _scan(out, repair=False, allow_torn_tail=allow_torn_tail,
-                         vocab_size=meta.get("target", {}).get("vocab_size"))
-    recs = sorted((r for rs in per_shard.values() for r in rs), key=lambda r: r["record_id"])
+def read_meta(dataset_dir: str | os.PathLike) -> dict:
+    """The generation provenance of a dataset folder (target, tokenizer, chat_template, generation, source).
+
+    Raises:
+        FileNotFoundError / PreparedDataError: as :func:`read_dataset_meta`.
+    """
+    return read_dataset_meta(dataset_dir)["provenance"]
+
+
+def shard_files(dataset_dir: str | os.PathLike, split: str | None = None) -> list[Path]:
+    """The complete shards of ``split`` (all splits: None), sorted by name; temporary files are never listed."""
+    pattern = f"{split}-*.parquet" if split else "*.parquet"
+    return sorted(p for p in (Path(dataset_dir) / "data").glob(pattern) if not p.name.startswith("."))
+
+
+def shard_info(path: Path) -> dict | None:
+    """The ``dflash2`` key-value metadata of a shard (None for shards written before shards carried it)."""
+    import pyarrow.parquet as pq
+
+    kv = pq.read_schema(path).metadata or {}
+    return json.loads(kv[SHARD_INFO_KEY]) if SHARD_INFO_KEY in kv else None
+
+
+def shard_entries(dataset_dir: str | os.PathLike, meta: dict | None = None) -> list[dict]:
+    """One entry per complete shard (``file``, ``split``, ``records``, ``skipped_record_ids``, counts, ...): from the
+    shard's own metadata, else from the ``shards`` list of ``dflash2_dataset.json`` (older folders)."""
+    root = Path(dataset_dir)
+    listed = {s["file"]: s for s in (meta or {}).get("shards", [])}
+    entries = []
+    for path in shard_files(root):
+        rel = f"data/{path.name}"
+        info = shard_info(path) if rel not in listed else None
+        if info is None and rel not in listed:
+            raise PreparedDataError(f"{path} carries no dflash2 metadata and is not listed in {root / DATASET_META}; "
+                                    "it is not a shard of this folder: move it out of data/")
+        entries.append(listed[rel] if info is None else {"file": rel, **info, "bytes": path.stat().st_size})
+    return entries
+
+
+def load_dataset_folder(dataset_dir: str | os.PathLike, split: str = "train") -> list[dict]:
+    """Records of one split of a dataset folder (its complete shards), validated, sorted by ``record_id``.
+
+    Returns:
+        dicts with keys ``record_id`` int, ``source_id`` str or None, ``input_ids`` list[int], ``response_spans``
+        list[[int, int]], ``num_response_tokens`` int, ``num_turns`` int, ``truncated`` bool.
+
+    Raises:
+        FileNotFoundError: not a dataset folder, or a shard listed in ``dflash2_dataset.json`` is missing.
+        PreparedDataError: an old JSONL folder, a shard is not readable Parquet, a row is invalid, or a record id
+            repeats.
+    """
+    import pyarrow.parquet as pq
+
+    root = Path(dataset_dir)
+    meta = read_dataset_meta(root)
+    vocab = get_dotted(meta["provenance"], "target.vocab_size") or None
+    for s in meta.get("shards", []):
+        if s["split"] == split and not (root / s["file"]).is_file():
+            raise FileNotFoundError(f"{root / s['file']} is listed in {root / DATASET_META} but missing; restore it "
+                                    "from git")
+    recs, seen = [], {}
+    for path in shard_files(root, split):
+        try:
+            rows = pq.read_table(path).to_pylist()
+        except Exception as err:  # pyarrow raises several types for truncated / foreign files
+            raise PreparedDataError(f"{path} is not a readable Parquet file ({err}); restore it from git "
+                                    f"(`git checkout -- {path}`) or delete it (prepare-data regenerates it)") from None
+        for i, rec in enumerate(rows):
+            problem = validate_record(rec, vocab)
+            if problem is None and rec["record_id"] in seen:
+                problem = f"record_id {rec['record_id']} is already in {seen[rec['record_id']]}"
+            if problem is not None:
+                raise PreparedDataError(f"{path}, row {i}: {problem}; restore the file from git or delete it")
+            seen[rec["record_id"]] = path.name
+            recs.append(rec)
+    recs.sort(key=lambda r: r["record_id"])
+    return recs
+
+
+def load_prepared(dataset_dir: str | os.PathLike, as_dataset: bool = False):
+    """The ``train`` split of a dataset folder (see :func:`load_dataset_folder`), sorted by ``record_id``.
+
+    Returns:
+        a list of dicts, or a ``datasets.Dataset`` with those columns when ``as_dataset``.
+
+    Raises:
+        FileNotFoundError / PreparedDataError: as :func:`load_dataset_folder`.
+    """
+    recs = load_dataset_folder(dataset_dir, split="train")
     if as_dataset:
         import datasets
 
         return datasets.Dataset.from_list(recs)
     return recs
+
+
+def done_record_ids(dataset_dir: str | os.PathLike) -> set[int]:
+    """Record ids a dataset folder holds in a complete shard or skipped (any split; also before rank 0 wrote
+    ``dflash2_dataset.json``): a resumed regeneration does not redo them."""
+    import pyarrow.parquet as pq
+
+    root = Path(dataset_dir)
+    ids: set[int] = set()
+    for entry in shard_entries(root, read_dataset_meta(root) if is_dataset_folder(root) else None):
+        ids.update(int(i) for i in entry.get("skipped_record_ids", []))
+        ids.update(pq.read_table(root / entry["file"], columns=["record_id"]).column(0).to_pylist())
+    return ids
 
 
 def response_mask(record: dict) -> list[int]:
@@ -291,4 +239,6 @@ def response_mask(record: dict) -> list[int]:
     return mask
 
 
-__all__ = ["PreparedDataError", "load_prepared", "read_meta", "response_mask"]
+__all__ = ["PreparedDataError", "load_prepared", "load_dataset_folder", "read_meta", "read_dataset_meta",
+           "is_dataset_folder", "shard_files", "shard_entries", "done_record_ids", "response_mask",
+           "DATASET_FORMAT", "DATASET_META", "SPLITS"]

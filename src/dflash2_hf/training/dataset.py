@@ -1,9 +1,10 @@
 """Training records (target-regenerated conversations) joined with their cached target features.
 
-Records come from :func:`dflash2_hf.data.load_prepared` (JSONL shards with ``record_id``, ``input_ids`` and
-``response_spans``; see :mod:`dflash2_hf.data.prepared`). :func:`normalize_record` turns one record into the
-three fields training needs (``record_id``, ``input_ids``, ``response_mask``) and also accepts records that carry a
-``response_mask`` / ``loss_mask`` list or ``labels`` with ``-100`` instead of spans.
+Records come from :func:`dflash2_hf.data.load_dataset_folder` (the Parquet shards of a ``prepare-data`` dataset
+folder with ``record_id``, ``input_ids`` and ``response_spans``; see :mod:`dflash2_hf.data.prepared`).
+:func:`normalize_record` turns one record into the three fields training needs (``record_id``, ``input_ids``,
+``response_mask``) and also accepts records that carry a ``response_mask`` / ``loss_mask`` list or ``labels`` with
+``-100`` instead of spans.
 """
 
 from __future__ import annotations
@@ -50,29 +51,29 @@ def load_training_records(
     max_records: int | None = None,
     train_only: bool = True,
 ) -> list[dict]:
-    """Normalised records of a prepared data folder, sorted by ``record_id``.
+    """Normalised records of a dataset folder (its complete shards), sorted by ``record_id``.
 
     Args:
-        data_dir: folder written by ``dflash2 prepare-data``.
+        data_dir: a dataset folder written by ``dflash2 prepare-data`` (or a committed one under dataset_cards/).
         max_records: keep the first ``max_records`` records (by ``record_id``), e.g. to fit a time budget.
-        train_only: for ShareGPT-derived folders, drop records outside the training range ``[0, 16000)``
-            (dev / held-out records must never be trained on; DESIGN.md section 7). ``False`` asks for
-            evaluation records: of a committed dataset folder (``dflash2 export-data``) that is its ``dev`` split.
-            A dataset folder with no ``train`` split (e.g. ``...-code-validation``) trains on its ``dev`` records,
-            with a warning.
+        train_only: read the ``train`` split and, for ShareGPT-derived folders, drop records outside the training
+            range ``[0, 16000)`` (dev / held-out records must never be trained on; DESIGN.md section 7). ``False``
+            asks for evaluation records: the ``dev`` split. A folder of one split only serves it for both: one with
+            no ``train`` split (e.g. ``...-code-validation``) trains on its ``dev`` records, with a warning; one with
+            no ``dev`` split evaluates on its ``train`` records.
 
     Raises:
-        FileNotFoundError: ``data_dir`` holds no prepared shards yet.
+        FileNotFoundError: ``data_dir`` is not a dataset folder.
+        PreparedDataError: a corrupt shard, or an old JSONL folder (the message names the converter).
     """
-    from ..data import TRAIN_RANGE, load_prepared
-    from ..data.hub_dataset import is_dataset_folder, load_dataset_folder
+    from ..data import TRAIN_RANGE, load_dataset_folder
 
-    folder = is_dataset_folder(data_dir)
-    raw = load_dataset_folder(data_dir, split="dev") if folder and not train_only else load_prepared(data_dir)
-    if folder and train_only and not raw:  # a folder of held-out records only, named as training data on purpose
-        raw = load_dataset_folder(data_dir, split="dev")
-        logger.warning("%s has no train split: training on its %d dev (held-out) records; never evaluate the "
-                       "result on this folder", data_dir, len(raw))
+    raw = load_dataset_folder(data_dir, split="train" if train_only else "dev")
+    if not raw:  # a folder of one split only, named as the other on purpose
+        raw = load_dataset_folder(data_dir, split="dev" if train_only else "train")
+        if train_only and raw:
+            logger.warning("%s has no train split: training on its %d dev (held-out) records; never evaluate the "
+                           "result on this folder", data_dir, len(raw))
     recs = [normalize_record(r) for r in raw]
     if train_only:
         kept = [r for r in recs if TRAIN_RANGE[0] <= r["record_id"] < TRAIN_RANGE[1]]

@@ -26,9 +26,9 @@ def is_code_folder(data_dir: str) -> bool:
     """True for a folder made by ``prepare-data --only-code``: code-domain as a whole (its records were chosen by the
     original conversation; the target's own answer need not hold a fenced block), so --only-code keeps all of it."""
     from ..data import read_meta
+    from ..data.prepared import is_dataset_folder
 
-    return (os.path.isfile(os.path.join(data_dir, "meta.json"))
-            and read_meta(data_dir).get("source", {}).get("filter") == "code")
+    return is_dataset_folder(data_dir) and read_meta(data_dir).get("source", {}).get("filter") == "code"
 
 
 def keep_code(only_code: bool, tokenizer, data_dir: str, records: list[dict]) -> tuple[list[dict], bool]:

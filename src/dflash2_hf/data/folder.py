@@ -1,0 +1,80 @@
+"""A dataset folder opened by one rank of a data-preparation run: the settings check, what is already done, the
+shard writer and the metadata updates (used by :func:`~.regenerate.prepare_data`,
+:func:`~.original.prepare_original` and the one-time JSONL conversion of :mod:`.legacy`)."""
+
+from __future__ import annotations
+
+import os
+import platform
+import time
+import uuid
+from pathlib import Path
+from typing import Iterable
+
+from .hub_dataset import check_same_provenance, folder_counts, write_folder_meta
+from .prepared import done_record_ids, is_dataset_folder, read_meta, refuse_legacy
+from .shards import ShardWriter, rank_and_world_size
+
+
+class RegenerationFolder:
+    """Opens ``dataset_dir`` for this process's rank (see :func:`~.shards.rank_and_world_size`).
+
+    Args:
+        dataset_dir: the folder (created when missing).
+        prov: the run's provenance (:func:`~.hub_dataset.provenance`); an existing folder must have the same
+            settings.
+        split, shard_size: as :class:`~.shards.ShardWriter`.
+        record_range: the ``[start, stop)`` asked for.
+        skip_records_in: other dataset folders (same settings) whose records count as done.
+
+    Attributes:
+        rank, world_size: this process's place in the job.
+        done: record ids held or skipped by the complete shards of the folder (all ranks) and ``skip_records_in``.
+        writer: the :class:`~.shards.ShardWriter` to add records / skips to.
+        run: this run's record in ``dflash2_dataset.json`` (add fields to it; rank 0 writes it with every shard).
+
+    Raises:
+        ValueError: the folder (or a ``skip_records_in`` folder) holds data made with other settings.
+        PreparedDataError: ``dataset_dir`` is a JSONL folder of an older version.
+    """
+
+    def __init__(self, dataset_dir: str | os.PathLike, prov: dict, split: str, shard_size: int,
+                 record_range: list | None = None, skip_records_in: Iterable[str | os.PathLike] = ()):
+        self.root = Path(dataset_dir)
+        refuse_legacy(self.root)
+        self.rank, self.world_size = rank_and_world_size()
+        if is_dataset_folder(self.root):
+            check_same_provenance(read_meta(self.root), prov, self.root)
+        self.done = done_record_ids(self.root)
+        for other in skip_records_in:
+            check_same_provenance(read_meta(other), prov, other)
+            self.done |= done_record_ids(other)
+        self.prov = prov
+        self.run = {"id": f"{time.strftime('%Y%m%dT%H%M%S')}-{platform.node()}-{uuid.uuid4().hex[:8]}",
+                    "started": time.strftime("%Y-%m-%dT%H:%M:%S"), "record_range": record_range, "split": split,
+                    "resumed_with": len(self.done), "world_size": self.world_size,
+                    "python": platform.python_version(), "host": platform.node()}
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.writer = ShardWriter(self.root, split, shard_size, self.rank, self.world_size, record_range,
+                                  on_shard=lambda _path: self._write_meta("running"))
+        self._write_meta("running")
+
+    def _write_meta(self, status: str) -> dict | None:
+        if self.rank != 0:
+            return None
+        self.run["updated"] = time.strftime("%Y-%m-%dT%H:%M:%S")
+        return write_folder_meta(self.root, self.prov, status, self.run)
+
+    def finish(self, complete: bool) -> dict:
+        """Writes the last shard, waits for the other ranks (when ``torch.distributed`` is initialised), and returns
+        the folder's counts (rank 0 rewrites the metadata and card with ``status`` complete / incomplete)."""
+        import torch.distributed as dist
+
+        self.writer.close()
+        if dist.is_available() and dist.is_initialized():
+            dist.barrier()
+        meta = self._write_meta("complete" if complete else "incomplete")
+        return meta["counts"] if meta is not None else folder_counts(self.root)
+
+
+__all__ = ["RegenerationFolder"]
