@@ -1,5 +1,5 @@
-"""``meta.json`` of a regenerated-data folder: the target, tokenizer, chat template and generation settings that
-made it (format: :mod:`.prepared`, which reads and validates it)."""
+"""The metadata of a data-preparation run: the target, tokenizer, chat template and generation settings that made
+it (its shared part is a dataset folder's provenance: :func:`.hub_dataset.provenance`; format: :mod:`.prepared`)."""
 
 from __future__ import annotations
 

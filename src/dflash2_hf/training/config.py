@@ -56,11 +56,11 @@ class DataArguments:
 
     target: str = field(default="smollm2", metadata={"help": "target alias (smollm2, gemma3-270m) or a transformers "
                                                               "folder"})
-    data: str | None = field(default=None, metadata={"help": "prepared data folder (dflash2 prepare-data --output-dir, or a "
-                                                             "committed dataset folder); required"})
+    data: str | None = field(default=None, metadata={"help": "dataset folder (dflash2 prepare-data --output-dir, or a "
+                                                             "committed one under dataset_cards/); required"})
     extra_data: list[str] = field(default_factory=list, metadata={
         "action": "append", "metavar": "DIR",
-        "help": "another prepared folder trained together with --data (repeatable), e.g. original-answer records "
+        "help": "another dataset folder trained together with --data (repeatable), e.g. original-answer records "
                 "next to regenerated ones"})
     max_length: int = field(default=1024, metadata={"help": "longest context per sequence (tokens)"})
     max_records: int | None = field(default=None, metadata={"help": "use the first N records (by record_id)"})
@@ -74,14 +74,14 @@ class DataArguments:
         "metavar": "W", "help": "an anchor among the early tokens of its response is W times as likely to be drawn "
                                 "as a later one (1: uniform)"})
     eval_data: str | None = field(default=None, metadata={
-        "help": "held-out prepared data folder: teacher-forced per-slot accuracy and tau estimates on it are logged "
-                "as eval_* every --eval-steps"})
+        "help": "held-out dataset folder (its dev split): teacher-forced per-slot accuracy and tau estimates on it "
+                "are logged as eval_* every --eval-steps"})
     eval_max_records: int = field(default=100, metadata={"help": "evaluate on the first N held-out records"})
     eval_only: bool = field(default=False, metadata={
         "help": "only evaluate (needs --eval-data) the drafter given by --init or by --resume-from-checkpoint; "
                 "prints the metrics as JSON"})
     follow_data: bool = field(default=False, metadata={
-        "help": "keep picking up records a still-running prepare-data job adds to --data (and features another "
+        "help": "keep picking up the shards a still-running prepare-data job completes in --data (and features another "
                 "--features-only job caches), at every epoch start and every --follow-every steps (cached "
                 "features, one process)"})
     follow_every: int | None = field(default=None, metadata={"help": "with --follow-data: also refresh every N steps"})
