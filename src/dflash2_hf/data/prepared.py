@@ -181,7 +181,8 @@ def load_dataset_folder(dataset_dir: str | os.PathLike, split: str = "train") ->
     for s in meta.get("shards", []):
         if s["split"] == split and not (root / s["file"]).is_file():
             raise FileNotFoundError(f"{root / s['file']} is listed in {root / DATASET_META} but missing; restore it "
-                                    "from git")
+                                    "from git, or rerun `dflash2 prepare-data` with the folder's settings (it "
+                                    "regenerates the shard's records and rewrites the list)")
     recs, seen = [], {}
     for path in shard_files(root, split):
         try:
