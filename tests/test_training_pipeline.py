@@ -73,12 +73,28 @@ def test_parser_uses_transformers_names_and_refuses_old_spellings(capsys):
         assert f"{old} is now {new}" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("options, named", [
+    (["--lora-r", "8", "--lora-alpha", "16"], "--lora-r / --lora-alpha"),
+    (["--lora-dropout", "0.1"], "--lora-dropout"),
+    (["--lora-target-modules", "q_proj"], "--lora-target-modules"),
+    (["--lora-save-dtype", "bf16"], "--lora-save-dtype"),
+])
+def test_lora_options_without_lora_are_refused_naming_them(options, named):
+    from dflash2_hf.cli import build_parser
+    from dflash2_hf.training.parser import configs_from_namespace
+
+    with pytest.raises(ValueError, match=f"^{named} shapes? a LoRA adapter .* add --lora"):
+        configs_from_namespace(build_parser("train").parse_args(["train", "--data", "d", "--output-dir", "o", *options]))
+    assert configs_from_namespace(build_parser("train").parse_args(  # the defaults spelled out are not a change
+        ["train", "--data", "d", "--output-dir", "o", "--lora-r", "16"])).lora.lora is False
+
+
 def test_config_file_fills_defaults_and_the_command_line_wins(tmp_path):
     from dflash2_hf.cli import build_parser
     from dflash2_hf.training.parser import configs_from_namespace
 
     (tmp_path / "run.yaml").write_text("data: some/folder\nlearning_rate: 0.001\nmax_steps: 7\nfeatures: online\n"
-                                       "num_layers: 2\nlora_r: 4\n")
+                                       "num_layers: 2\nlora: true\nlora_r: 4\n")
     cfg = configs_from_namespace(build_parser().parse_args(
         ["train", str(tmp_path / "run.yaml"), "--max-steps", "3", "--output-dir", str(tmp_path / "o")]))
     assert cfg.data.data == "some/folder" and cfg.features.features == "online" and cfg.drafter.num_layers == 2

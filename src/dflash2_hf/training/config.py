@@ -13,7 +13,7 @@ The recipe's optimisation defaults (:data:`RECIPE_DEFAULTS`: AdamW 6e-4, cosine,
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Literal
 
 import torch
@@ -199,9 +199,15 @@ class LoraArguments:
                                                                                       "adapter"})
 
     def __post_init__(self):
-        if not self.lora and (self.lora_modules_to_save or self.lora_init or self.lora_save_dtype != "fp32"):
-            raise ValueError("--lora-modules-to-save / --lora-init / --lora-save-dtype shape a LoRA adapter: add "
-                             "--lora (and --init).")
+        if self.lora:
+            return
+        # every other field shapes the adapter: one set away from its default without --lora would be ignored
+        changed = ["--" + f.name.replace("_", "-") for f in fields(self)
+                   if f.name != "lora" and getattr(self, f.name) != f.default]
+        if changed:
+            raise ValueError(f"{' / '.join(changed)} shape{'s' if len(changed) == 1 else ''} a LoRA adapter and "
+                             "would be ignored without --lora: add --lora (and --init PATH_OR_ID), or drop "
+                             f"{'it' if len(changed) == 1 else 'them'}.")
 
 
 @dataclass
