@@ -120,6 +120,15 @@ def test_good_values_parse(tmp_path, monkeypatch):
     assert build_parser("generate").parse_args(["generate", "--prompt", "x", "--drafter", "org/name"]).drafter == "org/name"
 
 
+@pytest.mark.parametrize("command", [["demo"], ["generate", "--prompt", "x"],
+                                     ["bench", "--drafter", "fresh", "--output-dir", "o"]])
+def test_drafter_dtype_defaults_to_auto_everywhere(capsys, command):
+    assert build_parser(command[0]).parse_args(command).drafter_dtype == "auto"  # int8 drafting on x86 CPUs
+    with pytest.raises(SystemExit):
+        build_parser(command[0]).parse_args([command[0], "--help"])
+    assert "dtype dtype" not in " ".join(capsys.readouterr().out.split())
+
+
 OUTPUT_FOLDER_COMMANDS = {  # every sub-command with an output folder -> the other options it needs to parse
     "demo": [],
     "bench": ["--drafter", "fresh"],

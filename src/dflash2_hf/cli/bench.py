@@ -84,8 +84,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-new-tokens", type=positive_int, default=128, help="new tokens per generation (default 128)")
     parser.add_argument("--max-prompt-tokens", type=non_negative_int, default=1024,
                         help="skip prompts longer than this after the chat template (default 1024; 0 = no limit)")
-    add_dtype_argument(parser, "fp32", "target (and drafter) dtype")
-    add_drafter_dtype_argument(parser, None, "--dtype")
+    add_dtype_argument(parser, "fp32", "target")
+    add_drafter_dtype_argument(parser, "auto", "auto, as in demo and generate")
     parser.add_argument("--near-tie-ulps", type=non_negative_bound, default=None,
                         help="greedy in bf16: a divergence from plain greedy is a near-tie when plain's margin there is "
                              "at most this many bf16 ulps of its largest score, else a bug (default "
@@ -171,8 +171,7 @@ def run(args: argparse.Namespace) -> int:
         else:
             reference = load_target(args.target, dtype=torch.float32, device=device)[0]
     needs_drafter = any(m in DRAFTER_METHODS and m not in OWN_DRAFTER_METHODS for m in settings.methods)
-    drafter_dtype, int8, drafter_dtype_label = (resolve_drafter_dtype(args.drafter_dtype, target.device)
-                                                if args.drafter_dtype else (dtype, False, dtype_label))
+    drafter_dtype, int8, drafter_dtype_label = resolve_drafter_dtype(args.drafter_dtype, target.device)
     drafter = load_drafter(args.drafter, target, dtype=drafter_dtype, int8=int8) if needs_drafter else None
     adapted = load_adapted_drafter(args.drafter, args.adapter, target, dtype=drafter_dtype,
                                    strict=not args.adapter_no_strict, int8=int8) if args.adapter else None
