@@ -99,3 +99,34 @@ def test_a_near_miss_of_a_shipped_name_is_refused_at_once():
     with pytest.raises(ValueError, match="did you mean 'dflash2-smollm2-135m-instruct'"):
         DFlash2DraftModel.from_pretrained("dflash2-smollm2")
     assert time.perf_counter() - start < 5  # no Hub lookup, no retries
+
+
+@pytest.mark.parametrize("argv", [["generate", "--drafter", "someorg/some-drafter", "--prompt", "hi"],
+                                  ["bench", "--drafter", "fresh", "--previous-drafter", "someorg/some-drafter",
+                                   "--output-dir", "o"]])
+def test_a_hub_id_without_the_hub_fails_before_the_target_loads(tmp_path, monkeypatch, capsys, argv):
+    import dflash2_hf.hub
+    import dflash2_hf.targets
+    from dflash2_hf.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    probes = []
+    monkeypatch.setattr(dflash2_hf.hub, "hub_unreachable_reason", lambda *a: probes.append(1) or "no network (test)")
+    monkeypatch.setattr(dflash2_hf.targets, "load_target", lambda *a, **k: pytest.fail("the target was loaded"))
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.endswith("'someorg/some-drafter' is not a local folder and the Hugging Face Hub is unreachable (no "
+                        f"network (test)): pass a local drafter folder or the shipped name '{SHIPPED_DRAFTER}'"), err
+    assert probes == [1]  # one probe, however many ids
+
+
+def test_hub_probe_is_skipped_for_local_and_shipped_drafters_and_honours_offline(tmp_path, monkeypatch):
+    import dflash2_hf.hub
+    from dflash2_hf.hub import check_hub_ids_reachable, hub_unreachable_reason
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "mine").mkdir()
+    monkeypatch.setattr(dflash2_hf.hub, "hub_unreachable_reason", lambda *a: pytest.fail("probed"))
+    check_hub_ids_reachable(SHIPPED_DRAFTER, "mine", "fresh", None)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert hub_unreachable_reason() == "HF_HUB_OFFLINE is set"  # the real probe, answered without the network

@@ -35,3 +35,8 @@ class DrafterArgumentTypeError(DFlash2Error, TypeError):
 
 class ShippedDrafterNotFoundError(DFlash2Error, FileNotFoundError):
     """A shipped drafter was named but its folder (the repository's ``model_cards/``) is not on this machine."""
+
+
+class HubUnreachableError(DFlash2Error, OSError):
+    """A Hub id was given (not a local folder, not in the local cache) while the Hub cannot be reached or
+    ``HF_HUB_OFFLINE`` is set."""

@@ -52,6 +52,51 @@ def is_local_path(name_or_path: str | os.PathLike) -> bool:
         return True
     return False
 
+
+HUB_PROBE_TIMEOUT_S = 3.0  # one TCP connection to the Hub endpoint, instead of a from_pretrained retry loop per file
+
+
+def hub_unreachable_reason(timeout: float = HUB_PROBE_TIMEOUT_S) -> str | None:
+    """None when the Hugging Face Hub (``HF_ENDPOINT``, default huggingface.co) accepts a connection within
+    ``timeout`` seconds, else why not (``HF_HUB_OFFLINE`` set, or the connection's error). One quick probe; never
+    raises."""
+    import socket
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE"):
+        return "HF_HUB_OFFLINE is set"
+    url = urlparse(constants.ENDPOINT)
+    try:
+        socket.create_connection((url.hostname, url.port or (80 if url.scheme == "http" else 443)), timeout).close()
+    except OSError as err:
+        return f"{url.hostname}: {err or type(err).__name__}"
+    return None
+
+
+def check_hub_ids_reachable(*names_or_paths: str | os.PathLike | None) -> None:
+    """Fails fast, before any model loads, when one of ``names_or_paths`` (drafters or adapters; None and
+    ``"fresh"`` skipped) is a Hub id that is neither a local folder, a shipped name, nor in the local Hub cache
+    while the Hub cannot be reached: probed once (:func:`hub_unreachable_reason`), however many ids.
+
+    Raises:
+        HubUnreachableError: the first such id, what to pass instead, and why the Hub is out of reach.
+    """
+    from huggingface_hub import try_to_load_from_cache
+
+    from .errors import HubUnreachableError
+    from .shipped import SHIPPED_DRAFTER, resolve_name_or_path
+
+    remote = [os.fspath(n) for n in names_or_paths if n not in (None, "fresh")
+              and not is_local_path(resolve_name_or_path(n))]
+    remote = [n for n in remote if not isinstance(try_to_load_from_cache(n, "config.json"), str)
+              and not isinstance(try_to_load_from_cache(n, "adapter_config.json"), str)]
+    reason = hub_unreachable_reason() if remote else None
+    if reason:
+        raise HubUnreachableError(f"{remote[0]!r} is not a local folder and the Hugging Face Hub is unreachable "
+                                  f"({reason}): pass a local drafter folder or the shipped name {SHIPPED_DRAFTER!r}")
+
 _TEMPLATE = """
 # {title}
 

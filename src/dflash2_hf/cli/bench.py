@@ -151,6 +151,9 @@ def run(args: argparse.Namespace) -> int:
 
         if is_local_path(args.adapter):
             check_adapter_folder(args.adapter)  # fail before loading any model
+    from ..hub import check_hub_ids_reachable
+
+    check_hub_ids_reachable(args.drafter, args.previous_drafter, args.adapter)  # before the target loads
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
     device = resolve_device(args.device)

@@ -89,8 +89,10 @@ def load_target_and_drafter(args: argparse.Namespace):
     """``(target, tokenizer, drafter, dtype labels)`` from ``--target/--drafter/--dtype/--drafter-dtype/--device/
     --num-threads/--cpu-kernels`` (the set-up ``generate`` and ``demo`` share); prints the resolved dtypes, device and
     CPU kernels."""
+    from ..hub import check_hub_ids_reachable
     from ..targets import load_target
 
+    check_hub_ids_reachable(args.drafter)  # a Hub id with no Hub: fail now, not after the target loads
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
     device = resolve_device(args.device)
