@@ -99,6 +99,7 @@ def no_model_loads(monkeypatch):
     (["generate", "--prompt", "x", "--drafter", "a/b/c"], "--drafter: no drafter folder at 'a/b/c'"),
     (["bench", "--drafter", "fresh", "--output-dir", "o", "--previous-drafter", "/no/such"], "no drafter folder at '/no/such'"),
     (["demo", "--datasets", "sharegpt,humanevl"], "--datasets: unknown data set(s) ['humanevl']"),
+    (["prepare-data", "--output-dir", "o", "--batch-size", "0"], "argument --batch-size: must be >= 1; got 0"),
     (["bench", "--drafter", "fresh", "--output-dir", "o", "--datasets", "missing.jsonl"], "unknown data set(s) ['missing.jsonl']"),
 ])
 def test_options_checked_before_any_model_loads(no_model_loads, capsys, argv, problem):
@@ -127,6 +128,24 @@ def test_drafter_dtype_defaults_to_auto_everywhere(capsys, command):
     with pytest.raises(SystemExit):
         build_parser(command[0]).parse_args([command[0], "--help"])
     assert "dtype dtype" not in " ".join(capsys.readouterr().out.split())
+
+
+@pytest.mark.parametrize("options, expected", [
+    ([], (0, 16000)), (["--split", "dev"], (16000, 17000)), (["--split", "dev", "--start", "16500"], (16500, 17000)),
+    (["--split", "dev", "--source", "mine.json"], (0, 16000)),  # an own file's indexes start at 0
+    (["--start", "10", "--stop", "5"], "--start (10) must be < --stop (5)"),
+    (["--stop", "18000"], "--stop 18000: records from 17000 on are held out"),
+])
+def test_prepare_data_record_range(no_model_loads, capsys, options, expected):
+    from dflash2_hf.cli.prepare_data import record_range
+
+    argv = ["prepare-data", "--output-dir", "o", *options]
+    if isinstance(expected, tuple):
+        assert record_range(build_parser("prepare-data").parse_args(argv)) == expected
+        return
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert expected in err and "allow_heldout" not in err and len(err.splitlines()) == 1, err
 
 
 OUTPUT_FOLDER_COMMANDS = {  # every sub-command with an output folder -> the other options it needs to parse

@@ -330,6 +330,7 @@ def test_resume_after_a_kill_equals_an_uninterrupted_run(tmp_path, tiny, monkeyp
     with pytest.raises(KeyboardInterrupt):
         prepare_data(model, tok, out, **kw)
     monkeypatch.undo()
+    assert read_dataset_meta(out)["status"] == "interrupted"
     assert [p.name for p in shard_files(out)] == ["train-00000.parquet"]
     assert [r["record_id"] for r in load_prepared(out)] == [0, 1, 2, 3]  # the temporary file is not read
 
@@ -343,6 +344,37 @@ def test_resume_after_a_kill_equals_an_uninterrupted_run(tmp_path, tiny, monkeyp
     names = [p.name for p in shard_files(out)]
     third = prepare_data(model, tok, out, **kw)  # nothing left to do: no duplicates, no new shard
     assert third["generated_tokens"] == 0 and [p.name for p in shard_files(out)] == names
+
+
+def test_cli_ctrl_c_says_what_is_kept_and_the_rerun_resumes_or_has_nothing_to_do(tmp_path, monkeypatch, capsys, caplog):
+    import dflash2_hf.targets
+    from dflash2_hf.cli import main
+    from dflash2_hf.data.shards import ShardWriter
+
+    out = tmp_path / "out"
+    argv = ["prepare-data", "--target", tiny_chat_target_folder(tmp_path / "target"), "--output-dir", str(out),
+            "--source", str(_write_array(tmp_path / "sg.json", _good_records(6))), "--stop", "6", "--max-new-tokens",
+            "2", "--batch-size", "2", "--sort-window", "1", "--shard-size", "2", "--no-progress"]
+    write = ShardWriter._write
+
+    def ctrl_c_at_second_shard(self):
+        if self.next_index == 1:
+            raise KeyboardInterrupt
+        write(self)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(ShardWriter, "_write", ctrl_c_at_second_shard)
+        assert main(argv) == 130
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"interrupted: 1 complete shard(s) (2 records) kept in {out}; rerun the same command to continue")
+    assert read_dataset_meta(out)["status"] == "interrupted"
+    with caplog.at_level(logging.INFO):
+        assert main(argv) == 0
+    assert "resuming: 2 records already in 1 shards" in caplog.text and read_dataset_meta(out)["status"] == "complete"
+    monkeypatch.setattr(dflash2_hf.targets, "load_target", lambda *a, **k: pytest.fail("the target was loaded"))
+    capsys.readouterr()
+    assert main(argv) == 0
+    assert capsys.readouterr().err.startswith(f"nothing left to do: {out} already holds every record of [0, 6)")
 
 
 def test_max_batches_writes_the_last_partial_shard(tmp_path, tiny):

@@ -20,7 +20,7 @@ import json
 import logging
 import sys
 
-from . import add_device_argument, resolve_device
+from . import add_device_argument, non_negative_int, positive_int, resolve_device
 
 _DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
            "float16": "float16", "fp16": "float16"}
@@ -39,24 +39,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "\"conversations\": [{\"from\": \"human\"|\"gpt\"|\"system\", \"value\"}]}) instead of the "
                              "packaged ShareGPT; chat-style records {\"messages\": [{\"role\", \"content\"}]} work too; record ids "
                              "are the indexes in the array")
-    parser.add_argument("--start", type=int, default=0, help="first ShareGPT record (default 0)")
-    parser.add_argument("--stop", type=int, default=16000, help="end of the record range, exclusive (default 16000; "
-                        "records from 17000 on are held out)")
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--max-new-tokens", type=int, default=256, help="cap per regenerated assistant turn")
-    parser.add_argument("--max-prompt-tokens", type=int, default=512,
+    parser.add_argument("--start", type=non_negative_int, default=None,
+                        help="first record (default: the split's first: train 0, dev 16000; with --source 0)")
+    parser.add_argument("--stop", type=positive_int, default=None,
+                        help="end of the record range, exclusive (default: the split's end: train 16000, dev 17000; "
+                             "with --source 16000). Records from 17000 on are held out: never read from here")
+    parser.add_argument("--batch-size", type=positive_int, default=8)
+    parser.add_argument("--max-new-tokens", type=positive_int, default=256, help="cap per regenerated assistant turn")
+    parser.add_argument("--max-prompt-tokens", type=positive_int, default=512,
                         help="records with a longer first prompt are skipped (default 512)")
-    parser.add_argument("--max-turns", type=int, default=1, help="assistant turns regenerated per conversation")
+    parser.add_argument("--max-turns", type=positive_int, default=1, help="assistant turns regenerated per conversation")
     parser.add_argument("--dtype", default="float32", choices=sorted(_DTYPES),
                         help="target dtype while generating (default float32: bf16 is faster but its greedy output "
                              "differs from fp32 serving)")
-    parser.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
-    parser.add_argument("--shard-size", type=int, default=256,
+    parser.add_argument("--num-threads", type=positive_int, default=None, help="torch CPU threads")
+    parser.add_argument("--shard-size", type=positive_int, default=256,
                         help="conversations per Parquet shard (default 256); a shard is written once complete, so an "
                              "interruption loses at most the one being filled")
-    parser.add_argument("--sort-window", type=int, default=8,
+    parser.add_argument("--sort-window", type=positive_int, default=8,
                         help="batches' worth of records read ahead and sorted by length (less padding)")
-    parser.add_argument("--max-batches", type=int, default=None, help="stop after N batches (benchmarking)")
+    parser.add_argument("--max-batches", type=positive_int, default=None, help="stop after N batches (benchmarking)")
     parser.add_argument("--cache-implementation", default="static", choices=["static", "dynamic"],
                         help="KV cache used by generate (static: default, ~1.8x faster on CPU, same tokens)")
     parser.add_argument("--only-code", action="store_true",
@@ -93,26 +95,73 @@ def _torchrun_device(device):
     return device, True
 
 
+def record_range(args: argparse.Namespace) -> tuple[int, int]:
+    """``(start, stop)`` of ``--start/--stop``, each defaulting to the ``--split``'s ShareGPT range (train [0, 16000),
+    dev [16000, 17000)) or, with ``--source``, to [0, 16000).
+
+    Raises:
+        ValueError: ``start >= stop``, or a range reaching into the held-out records (the message names the option).
+    """
+    from ..data.sharegpt import DEV_RANGE, HELDOUT_START, TRAIN_RANGE
+
+    lo, hi = DEV_RANGE if args.split == "dev" and args.source is None else TRAIN_RANGE
+    start = lo if args.start is None else args.start
+    stop = hi if args.stop is None else args.stop
+    if start >= stop:
+        raise ValueError(f"--start ({start}) must be < --stop ({stop})")
+    if stop > HELDOUT_START:
+        raise ValueError(f"--stop {stop}: records from {HELDOUT_START} on are held out for the final evaluation "
+                         "(DESIGN.md section 7), so the command line never reads them (there is no option for it: data "
+                         f"made from them would leak into the measurements); use --stop {HELDOUT_START} or less")
+    return start, stop
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
 
+    from ..data.folder import folder_progress
+
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args.start, args.stop = record_range(args)
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
     device, own_group = _torchrun_device(resolve_device(args.device))
     try:
         return _run(args, device)
+    except KeyboardInterrupt:
+        shards, records = folder_progress(args.output_dir)
+        print(f"interrupted: {shards} complete shard(s) ({records} records) kept in {args.output_dir}; rerun the same "
+              "command to continue", file=sys.stderr)
+        return 130
     finally:
         if own_group:
             torch.distributed.destroy_process_group()
 
 
+def _settings(args: argparse.Namespace) -> dict:
+    """The provenance values (dotted keys) a regeneration with ``args`` writes that are known before the target
+    loads: a folder made with the same ones and holding every record of the range has nothing left to do."""
+    from pathlib import Path
+
+    from ..data.sharegpt import SHAREGPT_FILE
+
+    return {"target.name": args.target, "target.dtype": _DTYPES[args.dtype],
+            "generation.max_new_tokens": args.max_new_tokens, "generation.max_prompt_tokens": args.max_prompt_tokens,
+            "generation.max_turns": args.max_turns, "source.dataset": Path(args.source).name if args.source else SHAREGPT_FILE,
+            "source.filter": "code" if args.only_code else {}}
+
+
 def _run(args: argparse.Namespace, device) -> int:
     import torch
 
+    from ..data.folder import nothing_left
     from ..data.regenerate import prepare_data
     from ..targets import load_target
 
+    if not args.original_answers and nothing_left(args.output_dir, args.start, args.stop, _settings(args)):
+        print(f"nothing left to do: {args.output_dir} already holds every record of [{args.start}, {args.stop}) "
+              "with these settings (a larger --stop adds records)", file=sys.stderr)
+        return 0
     dtype = getattr(torch, _DTYPES[args.dtype])
     model, tokenizer = load_target(args.target, dtype=dtype, device=device)
     if args.original_answers:

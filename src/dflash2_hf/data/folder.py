@@ -4,6 +4,7 @@ shard writer and the metadata updates (used by :func:`~.regenerate.prepare_data`
 
 from __future__ import annotations
 
+import logging
 import os
 import platform
 import time
@@ -12,8 +13,10 @@ from pathlib import Path
 from typing import Iterable
 
 from .hub_dataset import check_same_provenance, folder_counts, write_folder_meta
-from .prepared import done_record_ids, is_dataset_folder, read_meta, refuse_legacy
+from .prepared import done_record_ids, get_dotted, is_dataset_folder, read_dataset_meta, read_meta, refuse_legacy, shard_files
 from .shards import ShardWriter, rank_and_world_size
+
+logger = logging.getLogger(__name__)
 
 
 class RegenerationFolder:
@@ -50,6 +53,9 @@ class RegenerationFolder:
             check_same_provenance(read_meta(other), prov, other)
             self.done |= done_record_ids(other)
         self.prov = prov
+        own = len(self.done) - sum(len(done_record_ids(other)) for other in skip_records_in) if self.done else 0
+        if own > 0 and self.rank == 0:
+            logger.info("resuming: %d records already in %d shards", own, len(shard_files(self.root)))
         self.run = {"id": f"{time.strftime('%Y%m%dT%H%M%S')}-{platform.node()}-{uuid.uuid4().hex[:8]}",
                     "started": time.strftime("%Y-%m-%dT%H:%M:%S"), "record_range": record_range, "split": split,
                     "resumed_with": len(self.done), "world_size": self.world_size,
@@ -65,6 +71,11 @@ class RegenerationFolder:
         self.run["updated"] = time.strftime("%Y-%m-%dT%H:%M:%S")
         return write_folder_meta(self.root, self.prov, status, self.run)
 
+    def interrupted(self) -> None:
+        """Marks the folder ``interrupted`` (rank 0) after a Ctrl-C: its complete shards stay, the shard being filled
+        is dropped, and rerunning the same command continues after them."""
+        self._write_meta("interrupted")
+
     def finish(self, complete: bool) -> dict:
         """Writes the last shard, waits for the other ranks (when ``torch.distributed`` is initialised), and returns
         the folder's counts (rank 0 rewrites the metadata and card with ``status`` complete / incomplete)."""
@@ -77,4 +88,29 @@ class RegenerationFolder:
         return meta["counts"] if meta is not None else folder_counts(self.root)
 
 
-__all__ = ["RegenerationFolder"]
+def folder_progress(dataset_dir: str | os.PathLike) -> tuple[int, int]:
+    """``(complete shards, records they hold)`` of a dataset folder: what an interrupted run keeps; (0, 0) when the
+    folder holds none."""
+    root = Path(dataset_dir)
+    if not (root / "data").is_dir():
+        return 0, 0
+    return len(shard_files(root)), folder_counts(root)["kept"]
+
+
+def nothing_left(dataset_dir: str | os.PathLike, start: int, stop: int, settings: dict) -> bool:
+    """Whether a run over records ``[start, stop)`` would find every one of them (those of this rank under
+    torchrun) already held or skipped in ``dataset_dir``, made with ``settings`` (dotted provenance keys ->
+    values, e.g. ``{"generation.max_new_tokens": 256}``): then it can stop before loading the target. False when
+    any of ``settings`` differs (the run itself then names the option)."""
+    root = Path(dataset_dir)
+    if not is_dataset_folder(root):
+        return False
+    prov = read_dataset_meta(root)["provenance"]
+    if any(get_dotted(prov, k) != v for k, v in settings.items()):
+        return False
+    rank, world_size = rank_and_world_size()
+    done = done_record_ids(root)
+    return all(i in done for i in range(start, stop) if i % world_size == rank)
+
+
+__all__ = ["RegenerationFolder", "folder_progress", "nothing_left"]

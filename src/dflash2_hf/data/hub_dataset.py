@@ -96,7 +96,7 @@ def write_folder_meta(dataset_dir: str | os.PathLike, prov: dict, status: str | 
     Args:
         dataset_dir: the folder.
         prov: the provenance (:func:`provenance`) of a new folder; an existing folder keeps its own.
-        status: ``"running"``, ``"incomplete"`` or ``"complete"`` (None: unchanged).
+        status: ``"running"``, ``"interrupted"``, ``"incomplete"`` or ``"complete"`` (None: unchanged).
         run: this run's record (replaces the entry with the same ``id`` in ``runs``, else appended).
         license: SPDX id of a new folder's card.
 

@@ -238,9 +238,12 @@ def prepare_data(target, tokenizer, out_dir: str | os.PathLike, start: int = 0, 
                     break
         else:
             flush_window()
+        counts = folder.finish(finished)
+    except KeyboardInterrupt:  # Ctrl-C: the complete shards stay; the folder says it was interrupted
+        folder.interrupted()
+        raise
     finally:
         bar.close()
-    counts = folder.finish(finished)
     result = dict(counts, generated_tokens=stats["generated_tokens"], prompt_tokens=stats["prompt_tokens"],
                   gen_seconds=stats["gen_seconds"], complete=finished,
                   tokens_per_s=stats["generated_tokens"] / stats["gen_seconds"] if stats["gen_seconds"] else None)
