@@ -49,13 +49,12 @@ class RegenerationFolder:
         if is_dataset_folder(self.root):
             check_same_provenance(read_meta(self.root), prov, self.root)
         self.done = done_record_ids(self.root)
+        if self.done and self.rank == 0:
+            logger.info("resuming: %d records already in %d shards", len(self.done), len(shard_files(self.root)))
         for other in skip_records_in:
             check_same_provenance(read_meta(other), prov, other)
             self.done |= done_record_ids(other)
         self.prov = prov
-        own = len(self.done) - sum(len(done_record_ids(other)) for other in skip_records_in) if self.done else 0
-        if own > 0 and self.rank == 0:
-            logger.info("resuming: %d records already in %d shards", own, len(shard_files(self.root)))
         self.run = {"id": f"{time.strftime('%Y%m%dT%H%M%S')}-{platform.node()}-{uuid.uuid4().hex[:8]}",
                     "started": time.strftime("%Y-%m-%dT%H:%M:%S"), "record_range": record_range, "split": split,
                     "resumed_with": len(self.done), "world_size": self.world_size,
