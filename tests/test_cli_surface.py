@@ -180,3 +180,21 @@ def test_old_output_spellings_refused_naming_output_dir(no_model_loads, capsys, 
         assert done.value.code == 2
         err = capsys.readouterr().err.strip().splitlines()[-1]
         assert f"{old} is" in err and "--output-dir" in err, err
+
+
+@pytest.mark.parametrize("argv, warned", [
+    (["generate", "--prompt", "x", "--top-p", "0.9"], "--top-p"),
+    (["generate", "--prompt", "x", "--top-p", "0.9", "--top-k", "5"], "--top-p and --top-k"),
+    (["bench", "--drafter", "fresh", "--output-dir", "o", "--top-k", "5"], "--top-k"),
+    (["generate", "--prompt", "x", "--top-p", "0.9", "--temperature", "0.7"], None),
+    (["generate", "--prompt", "x"], None),
+])
+def test_sampling_filters_without_temperature_warn_once(capsys, argv, warned):
+    from dflash2_hf.cli import warn_unused_sampling_filters
+
+    warn_unused_sampling_filters(build_parser(argv[0]).parse_args(argv))
+    err = capsys.readouterr().err
+    if warned is None:
+        assert err == ""
+    else:
+        assert err == f"warning: {warned} only apply when sampling (--temperature > 0); decoding greedily\n"

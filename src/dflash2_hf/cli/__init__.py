@@ -70,6 +70,16 @@ def top_p(text: str) -> float:
     return _number(text, lambda v: 0 < v <= 1, "in (0, 1] (1 = off)")
 
 
+def warn_unused_sampling_filters(args: argparse.Namespace) -> None:
+    """One warning on stderr when ``--top-p`` / ``--top-k`` are set (not off) while ``--temperature`` is 0: greedy
+    decoding ignores them."""
+    given = [flag for flag, value, off in (("--top-p", getattr(args, "top_p", None), 1.0),
+                                           ("--top-k", getattr(args, "top_k", None), 0)) if value not in (None, off)]
+    if given and not args.temperature:
+        print(f"warning: {' and '.join(given)} only apply when sampling (--temperature > 0); decoding greedily",
+              file=sys.stderr)
+
+
 def drafter_spec(text: str) -> str:
     """argparse type of ``--drafter``: ``fresh``, a folder, a shipped drafter's name or a Hub id; a missing path that
     looks local (``./x``, ``runs/x/y``) or a shipped name whose folder is not here is refused before any model loads."""

@@ -41,6 +41,7 @@ from . import (
     resolve_drafter_dtype,
     resolve_dtype,
     top_p,
+    warn_unused_sampling_filters,
 )
 
 
@@ -154,6 +155,7 @@ def run(args: argparse.Namespace) -> int:
     from ..hub import check_hub_ids_reachable
 
     check_hub_ids_reachable(args.drafter, args.previous_drafter, args.adapter)  # before the target loads
+    warn_unused_sampling_filters(args)
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
     device = resolve_device(args.device)

@@ -21,12 +21,14 @@ from . import (
     apply_cpu_kernels,
     drafter_spec,
     non_negative,
+    non_negative_int,
     positive_int,
     probability,
     resolve_device,
     resolve_drafter_dtype,
     resolve_dtype,
     top_p,
+    warn_unused_sampling_filters,
 )
 
 DEFAULT_DRAFTER = "dflash2-smollm2-135m-instruct"  # the shipped drafter, found from any folder (dflash2_hf.shipped)
@@ -41,6 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-new-tokens", type=positive_int, default=128)
     parser.add_argument("--temperature", type=non_negative, default=0.0, help="0 = greedy")
     parser.add_argument("--top-p", type=top_p, default=None, help="nucleus sampling with --temperature > 0")
+    parser.add_argument("--top-k", type=non_negative_int, default=None, help="top-k filter with --temperature > 0")
     parser.add_argument("--no-selector", action="store_true", help="top-1 path instead of the candidate selector")
     parser.add_argument("--confidence-threshold", type=probability, default=0.0,
                         help="dynamic draft length: cut each drafted path after its first draft whose probability "
@@ -108,6 +111,7 @@ def load_target_and_drafter(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
+    warn_unused_sampling_filters(args)
     target, tokenizer, drafter, _ = load_target_and_drafter(args)
     drafter.use_selector = not args.no_selector
     drafter.generation_config.assistant_confidence_threshold = args.confidence_threshold or None
@@ -115,7 +119,8 @@ def run(args: argparse.Namespace) -> int:
     ids = prompt_ids(tokenizer, args.prompt).to(target.device)
     sampling = dict(do_sample=args.temperature > 0)
     if args.temperature > 0:
-        sampling.update(temperature=args.temperature, top_p=args.top_p)
+        sampling.update(temperature=args.temperature, top_p=args.top_p,
+                        **({"top_k": args.top_k} if args.top_k is not None else {}))
     kw = dict(max_new_tokens=args.max_new_tokens, **sampling)
     if args.compare:  # both paths warm before either is timed
         for extra in ({"assistant_model": drafter}, {}):
