@@ -26,6 +26,19 @@ def test_top_level_help_imports_no_torch():
     assert "usage: dflash2" in done.stdout and "bench" in done.stdout
 
 
+def test_subcommand_help_and_option_errors_import_no_torch():
+    code = ("import sys, dflash2_cli\n"
+            "for argv in (['demo', '--help'], ['generate', '--help'], ['bench', '--help'], ['prepare-data', '--help'],\n"
+            "             ['export-data', '--help'], ['demo', '--max-new-tokens', '-1'], ['bench', '--drafter', 'x'],\n"
+            "             ['prepare-data', '--output-dir', 'o', '--batch-size', '0']):\n"
+            "    try:\n        dflash2_cli.main(argv)\n    except SystemExit:\n        pass\n"
+            "assert 'torch' not in sys.modules and 'transformers' not in sys.modules, 'heavy import'")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.count("usage: dflash2 ") == 5 and "--batch-size: must be >= 1" in done.stderr
+    assert "the following arguments are required: --output-dir" in done.stderr  # bench: before its --drafter check
+
+
 def test_top_level_help_takes_under_a_second():
     best = float("inf")
     for _ in range(3):  # best of three: the machine may be busy

@@ -15,19 +15,19 @@ from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field
 
 import torch
+from dflash2_cli.arguments import BENCH_METHODS, OWN_DRAFTER_METHODS  # noqa: F401 (re-exported)
 
 from ..cpu_kernels import is_optimized, stock_kernels
 from .fidelity import NEAR_TIE_ULPS
 from .recorder import ForwardRecorder
 
-METHODS = ("plain", "plain_optimized", "prompt_lookup", "builtin_dflash", "dflash2_top1", "dflash2",
-           "dflash2_no_lookup", "dflash2_dynamic", "dflash2_cost", "dflash2_adapter", "dflash2_previous")
+# the methods, and OWN_DRAFTER_METHODS (those that run another drafter than the main one), are named once in
+# dflash2_cli.arguments, torch-free, for `dflash2 bench --help`
+METHODS = BENCH_METHODS
 PLAIN_METHODS = ("plain", "plain_optimized")  # no speculation
 STATS_METHODS = ("dflash2_top1", "dflash2", "dflash2_no_lookup", "dflash2_dynamic", "dflash2_cost", "dflash2_adapter",
                  "dflash2_previous")  # the DFlash2 loop: fill generation_stats
 DRAFTER_METHODS = ("builtin_dflash",) + STATS_METHODS
-# methods that run another drafter than the main one (run_methods' adapted_drafter / previous_drafter)
-OWN_DRAFTER_METHODS = ("dflash2_adapter", "dflash2_previous")
 
 METHOD_DESCRIPTIONS = {
     "plain": "target.generate() without speculation, on stock PyTorch kernels (what users run today)",

@@ -23,99 +23,14 @@ import argparse
 import os
 import sys
 
-from . import (
-    DRAFTER_DTYPES,
-    add_cpu_kernels_argument,
-    add_device_argument,
-    add_drafter_dtype_argument,
-    add_dtype_argument,
-    apply_cpu_kernels,
-    dataset_list,
-    drafter_spec,
-    non_negative,
-    non_negative_bound,
-    non_negative_int,
-    positive_int,
-    probability,
-    resolve_device,
-    resolve_drafter_dtype,
-    resolve_dtype,
-    top_p,
-    warn_unused_sampling_filters,
-)
+from dflash2_cli.arguments import add_bench_arguments as add_arguments  # noqa: F401 (the options: torch-free)
+from dflash2_cli.arguments import default_bench_methods
+
+from . import apply_cpu_kernels, resolve_device, resolve_drafter_dtype, resolve_dtype, warn_unused_sampling_filters
 
 
 def _csv(text: str) -> list[str]:
     return [x.strip() for x in text.split(",") if x.strip()]
-
-
-def parser_default_methods() -> str:
-    """``--methods``' default: every method that needs no second drafter."""
-    from ..bench.runner import METHODS, OWN_DRAFTER_METHODS
-
-    return ",".join(m for m in METHODS if m not in OWN_DRAFTER_METHODS)
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from ..bench.runner import METHODS
-    parser.add_argument("--target", default="smollm2",
-                        help="target alias (smollm2, gemma3-270m) or a local transformers folder (default: smollm2)")
-    parser.add_argument("--drafter", required=True, type=drafter_spec,
-                        help="drafter folder or Hub id, or 'fresh' for an untrained drafter built for the target "
-                             "(tau ~ 1: only for trying the harness)")
-    parser.add_argument("--adapter", default=None,
-                        help="a LoRA adapter folder for --drafter (dflash2 train --lora): adds the method "
-                             "dflash2_adapter (drafter + adapter, merged) next to the others, measured in the same run")
-    parser.add_argument("--previous-drafter", default=None, metavar="DRAFTER", type=drafter_spec,
-                        help="another drafter for the same target (folder or Hub id), e.g. the previous release: adds "
-                             "the method dflash2_previous (full blocks, selector on) measured in the same run, so "
-                             "tau, per-position acceptance and speedup of both are compared side by side")
-    parser.add_argument("--previous-drafter-dtype", default=None, choices=DRAFTER_DTYPES,
-                        help="drafting precision of --previous-drafter (default: --drafter-dtype's). Give the same "
-                             "folder as --drafter and another precision to compare drafting precisions side by side "
-                             "in one run, e.g. --drafter-dtype int8 --previous-drafter-dtype fp32")
-    parser.add_argument("--adapter-no-strict", action="store_true",
-                        help="load --adapter even if it was trained on other weights of a same-shaped drafter "
-                             "(default: refuse)")
-    parser.add_argument("--datasets", default="sharegpt,humaneval", type=dataset_list,
-                        help="comma-separated: 'sharegpt' (ShareGPT dev records 16000-16999, first human turn), "
-                             "'humaneval', or paths of JSONL files with a 'prompt' string or a chat 'messages' list "
-                             "per line (default: sharegpt,humaneval)")
-    parser.add_argument("--num-prompts", type=positive_int, default=10, help="prompts per data set (default 10)")
-    parser.add_argument("--max-new-tokens", type=positive_int, default=128, help="new tokens per generation (default 128)")
-    parser.add_argument("--max-prompt-tokens", type=non_negative_int, default=1024,
-                        help="skip prompts longer than this after the chat template (default 1024; 0 = no limit)")
-    add_dtype_argument(parser, "fp32", "target")
-    add_drafter_dtype_argument(parser, "auto", "auto, as in demo and generate")
-    parser.add_argument("--near-tie-ulps", type=non_negative_bound, default=None,
-                        help="greedy in bf16: a divergence from plain greedy is a near-tie when plain's margin there is "
-                             "at most this many bf16 ulps of its largest score, else a bug (default "
-                             "dflash2_hf.bench.fidelity.NEAR_TIE_ULPS = 8; docs/bench.md)")
-    parser.add_argument("--calibrate-fp32", action="store_true",
-                        help="greedy with a bf16 target: also run plain greedy with the target in fp32 on the same "
-                             "prompts (untimed) and report how often plain bf16 parts from plain fp32 and where")
-    parser.add_argument("--temperature", type=non_negative, default=0.0, help="0 = greedy (default); > 0 samples")
-    parser.add_argument("--top-p", type=top_p, default=1.0, help="nucleus sampling (default 1.0 = off)")
-    parser.add_argument("--top-k", type=non_negative_int, default=0, help="top-k sampling filter (default 0 = off)")
-    parser.add_argument("--methods", default=parser_default_methods(),
-                        help=f"comma-separated subset of {','.join(METHODS)} (plain is always run: it is the "
-                             "reference of the speedup and of the identity check; --adapter adds dflash2_adapter, "
-                             "--previous-drafter dflash2_previous)")
-    parser.add_argument("--prompt-lookup-tokens", type=positive_int, default=10,
-                        help="prompt_lookup_num_tokens of the prompt_lookup baseline (default 10)")
-    parser.add_argument("--confidence-threshold", type=probability, default=0.7,
-                        help="assistant_confidence_threshold of the dflash2_dynamic method: each drafted path is cut "
-                             "after its first draft whose selector probability is below this value (default 0.7)")
-    parser.add_argument("--raw-prompts", action="store_true",
-                        help="JSONL 'prompt' strings are fed as raw text instead of one user chat message")
-    parser.add_argument("--output-dir", required=True, help="output folder")
-    parser.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
-    parser.add_argument("--num-threads", type=positive_int, default=None, help="torch CPU threads (default: torch's default)")
-    add_device_argument(parser, "the target and the drafter")
-    add_cpu_kernels_argument(parser)
-    parser.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up generations")
-    parser.add_argument("--no-plots", action="store_true", help="do not write the PNG plots")
-    parser.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -127,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
     from ..targets import load_target
 
     methods = _csv(args.methods)
-    if args.cpu_kernels == "stock" and args.methods == parser_default_methods():
+    if args.cpu_kernels == "stock" and args.methods == default_bench_methods():
         methods.remove("plain_optimized")  # the default list, without the method stock kernels cannot run
     unknown = [m for m in methods if m not in METHODS]
     if unknown:

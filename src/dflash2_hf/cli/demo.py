@@ -15,38 +15,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import (
-    add_cpu_kernels_argument,
-    add_device_argument,
-    add_drafter_dtype_argument,
-    add_dtype_argument,
-    dataset_list,
-    drafter_spec,
-    positive_int,
-    probability,
-)
-from .generate import DEFAULT_DRAFTER
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--target", default="smollm2")
-    parser.add_argument("--drafter", default=DEFAULT_DRAFTER, type=drafter_spec,
-                        help="folder, Hub id, shipped drafter name, or 'fresh' (untrained: tau ~1)")
-    parser.add_argument("--num-prompts", type=positive_int, default=3, help="per data set")
-    parser.add_argument("--max-new-tokens", type=positive_int, default=128)
-    parser.add_argument("--datasets", default="sharegpt,humaneval", type=dataset_list)
-    parser.add_argument("--output-dir", default="runs/main", help="where results.json / results.md / plots go")
-    add_dtype_argument(parser, "auto")
-    add_drafter_dtype_argument(parser, "auto", "auto")
-    add_device_argument(parser, "the target and the drafter")
-    add_cpu_kernels_argument(parser)
-    parser.add_argument("--confidence-threshold", type=probability, default=0.0,
-                        help="also runs dflash2 with a confidence-cut draft length: each path cut after its first "
-                             "draft whose selector probability is below this value (default 0 = skip that run)")
-    parser.add_argument("--no-cost-schedule", action="store_true",
-                        help="skip the run whose draft length comes from the measured cost curve")
-    parser.add_argument("--num-threads", type=positive_int, default=None,
-                        help="torch CPU threads (use 1 on a busy machine: oversubscribed cores make timings noisy)")
+from dflash2_cli.arguments import add_demo_arguments as add_arguments  # noqa: F401 (the options: torch-free)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -13,12 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--data", required=True, help="a JSONL folder of an older `dflash2 prepare-data`")
-    parser.add_argument("--output-dir", required=True, help="the dataset folder (created if missing)")
-    parser.add_argument("--split", default="train", choices=["train", "dev"],
-                        help="train: ShareGPT [0, 16000); dev: [16000, 17000)")
+from dflash2_cli.arguments import add_export_data_arguments as add_arguments  # noqa: F401 (the options: torch-free)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -13,56 +13,10 @@ import time
 import torch
 from transformers import TextStreamer
 
-from . import (
-    add_cpu_kernels_argument,
-    add_device_argument,
-    add_drafter_dtype_argument,
-    add_dtype_argument,
-    apply_cpu_kernels,
-    drafter_spec,
-    non_negative,
-    non_negative_int,
-    positive_int,
-    probability,
-    resolve_device,
-    resolve_drafter_dtype,
-    resolve_dtype,
-    top_p,
-    warn_unused_sampling_filters,
-)
+from dflash2_cli.arguments import DEFAULT_DRAFTER  # noqa: F401 (re-exported)
+from dflash2_cli.arguments import add_generate_arguments as add_arguments  # noqa: F401 (the options: torch-free)
 
-DEFAULT_DRAFTER = "dflash2-smollm2-135m-instruct"  # the shipped drafter, found from any folder (dflash2_hf.shipped)
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--target", default="smollm2", help="target alias (smollm2, gemma3-270m) or path / Hub id")
-    parser.add_argument("--drafter", default=DEFAULT_DRAFTER, type=drafter_spec,
-                        help="drafter folder, Hub id or shipped drafter name, or 'fresh' for an untrained drafter "
-                             "sized for the target (tau ~1: no speedup)")
-    parser.add_argument("--prompt", required=True, help="user message (rendered with the target's chat template)")
-    parser.add_argument("--max-new-tokens", type=positive_int, default=128)
-    parser.add_argument("--temperature", type=non_negative, default=0.0, help="0 = greedy")
-    parser.add_argument("--top-p", type=top_p, default=None, help="nucleus sampling with --temperature > 0")
-    parser.add_argument("--top-k", type=non_negative_int, default=None, help="top-k filter with --temperature > 0")
-    parser.add_argument("--no-selector", action="store_true", help="top-1 path instead of the candidate selector")
-    parser.add_argument("--confidence-threshold", type=probability, default=0.0,
-                        help="dynamic draft length: cut each drafted path after its first draft whose probability "
-                             "(selector, or top-k softmax with --no-selector) is below this value "
-                             "(drafter.generation_config.assistant_confidence_threshold; default 0 = full blocks). "
-                             "Saves verification work where it grows with the block (CPUs)")
-    parser.add_argument("--cost-schedule", action="store_true",
-                        help="draft length from the measured verification cost curve and the calibrated selector "
-                             "probabilities (drafter.generation_config.num_assistant_tokens_schedule='cost'; the curve "
-                             "is measured once, ~4 s on a CPU, before the first cycle)")
-    add_dtype_argument(parser, "auto")
-    add_drafter_dtype_argument(parser, "auto", "auto")
-    add_device_argument(parser, "the target and the drafter")
-    add_cpu_kernels_argument(parser)
-    parser.add_argument("--num-threads", type=positive_int, default=None, help="torch CPU threads (default: torch's default)")
-    parser.add_argument("--compare", action="store_true",
-                        help="also run plain generate() (after a short warm-up of both) and print the speedup in "
-                             "tokens/s and (greedy) whether outputs match; for side-by-side numbers over many prompts "
-                             "use dflash2 bench")
+from . import apply_cpu_kernels, resolve_device, resolve_drafter_dtype, resolve_dtype, warn_unused_sampling_filters
 
 
 def load_drafter(spec: str, target, dtype=None, int8: bool = False):

@@ -20,61 +20,10 @@ import json
 import logging
 import sys
 
-from . import add_device_argument, non_negative_int, positive_int, resolve_device
+from dflash2_cli.arguments import GENERATION_DTYPES as _DTYPES
+from dflash2_cli.arguments import add_prepare_data_arguments as add_arguments  # noqa: F401 (the options: torch-free)
 
-_DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
-           "float16": "float16", "fp16": "float16"}
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--target", default="smollm2",
-                        help="target alias (smollm2, gemma3-270m) or a local transformers folder (default: smollm2)")
-    parser.add_argument("--output-dir", required=True,
-                        help="the dataset folder (continued if it already holds data of the same settings)")
-    parser.add_argument("--split", default="train", choices=["train", "dev"],
-                        help="split the shards belong to (default train; dev: evaluation data, e.g. ShareGPT "
-                             "[16000, 17000) or a validation --source)")
-    parser.add_argument("--source", default=None,
-                        help="a ShareGPT-format JSON array file (your own conversations: a list of {\"id\", "
-                             "\"conversations\": [{\"from\": \"human\"|\"gpt\"|\"system\", \"value\"}]}) instead of the "
-                             "packaged ShareGPT; chat-style records {\"messages\": [{\"role\", \"content\"}]} work too; record ids "
-                             "are the indexes in the array")
-    parser.add_argument("--start", type=non_negative_int, default=None,
-                        help="first record (default: the split's first: train 0, dev 16000; with --source 0)")
-    parser.add_argument("--stop", type=positive_int, default=None,
-                        help="end of the record range, exclusive (default: the split's end: train 16000, dev 17000; "
-                             "with --source 16000). Records from 17000 on are held out: never read from here")
-    parser.add_argument("--batch-size", type=positive_int, default=8)
-    parser.add_argument("--max-new-tokens", type=positive_int, default=256, help="cap per regenerated assistant turn")
-    parser.add_argument("--max-prompt-tokens", type=positive_int, default=512,
-                        help="records with a longer first prompt are skipped (default 512)")
-    parser.add_argument("--max-turns", type=positive_int, default=1, help="assistant turns regenerated per conversation")
-    parser.add_argument("--dtype", default="float32", choices=sorted(_DTYPES),
-                        help="target dtype while generating (default float32: bf16 is faster but its greedy output "
-                             "differs from fp32 serving)")
-    parser.add_argument("--num-threads", type=positive_int, default=None, help="torch CPU threads")
-    parser.add_argument("--shard-size", type=positive_int, default=256,
-                        help="conversations per Parquet shard (default 256); a shard is written once complete, so an "
-                             "interruption loses at most the one being filled")
-    parser.add_argument("--sort-window", type=positive_int, default=8,
-                        help="batches' worth of records read ahead and sorted by length (less padding)")
-    parser.add_argument("--max-batches", type=positive_int, default=None, help="stop after N batches (benchmarking)")
-    parser.add_argument("--cache-implementation", default="static", choices=["static", "dynamic"],
-                        help="KV cache used by generate (static: default, ~1.8x faster on CPU, same tokens)")
-    parser.add_argument("--only-code", action="store_true",
-                        help="keep only conversations whose first human turn or its original answer holds a fenced "
-                             "code block (a code-domain set, e.g. for a LoRA adapter); others are skipped as "
-                             "filtered_out")
-    parser.add_argument("--skip-records-in", action="append", default=[], metavar="DATASET",
-                        help="another dataset folder of the same settings (e.g. a committed one): its records, kept or "
-                             "skipped, are not regenerated again (repeatable)")
-    parser.add_argument("--original-answers", action="store_true",
-                        help="keep ShareGPT's own assistant turns instead of regenerating them (no generation: seconds "
-                             "for thousands of records); conversations are cut at --max-prompt-tokens tokens. Train on "
-                             "them with `dflash2 train --target-labels` (labels = the target's own greedy tokens)")
-    parser.add_argument("--note", default=None, help="free text stored in the folder's provenance and card")
-    parser.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
-    add_device_argument(parser, "the target's regeneration")
+from . import resolve_device
 
 
 def _torchrun_device(device):

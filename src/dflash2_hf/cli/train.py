@@ -29,11 +29,7 @@ from __future__ import annotations
 
 import argparse
 
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from ..training.parser import add_train_arguments
-
-    add_train_arguments(parser)
+from dflash2_cli.arguments import add_train_arguments as add_arguments  # noqa: F401 (the options; need transformers)
 
 
 def run(args: argparse.Namespace) -> int:
