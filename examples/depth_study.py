@@ -12,10 +12,10 @@ command to continue (a finished chunk is never redone; a killed one resumes from
     .venv/bin/python examples/depth_study.py --study-dir runs/depth-study --plot   # curves.png + a table
     .venv/bin/python examples/depth_study.py --study-dir runs/depth-study --evaluate L3-conv  # the real loop
 
-``--evaluate ARM[,ARM]`` runs ``dflash2 bench`` (plain, the selector path and the top-1 path; float32 target and
-drafter, greedy, 96 new tokens, one thread) on the tuning prompts (ShareGPT 16500.. and the code validation prompts of
-``examples/make_heldout_prompts.py``) and writes ``<study-dir>/<arm>-bench/``; ``--plot`` adds their tau, per-position
-acceptance and drafting ms per cycle to the table.
+``--evaluate ARM[,ARM]`` runs ``dflash2 bench`` (plain, the drafter alone and the shipped loop that also copies from
+the context; float32 target and drafter, greedy, 96 new tokens, one thread) on the tuning prompts (ShareGPT 16500..
+and the code validation prompts of ``examples/make_heldout_prompts.py``) and writes ``<study-dir>/<arm>-bench/``;
+``--plot`` adds their tau, per-position acceptance and drafting ms per cycle to the table.
 
 The features of the training records are cached once (``--features-dir``) and shared by every arm.
 """
@@ -87,7 +87,7 @@ def run_chunk(study: Path, arm: str, arm_args: list[str], until: int, threads: i
 
 BENCH = ["--target", "smollm2", "--drafter-dtype", "float32", "--num-prompts", "10", "--max-new-tokens", "96",
          "--datasets", "runs/heldout/sharegpt-16500.jsonl,runs/heldout/validation-code.jsonl",
-         "--methods", "plain,dflash2,dflash2_top1", "--no-progress"]
+         "--methods", "plain,dflash2_no_lookup,dflash2", "--no-progress"]
 
 
 def evaluate(study: Path, arm: str, threads: int) -> None:
@@ -107,11 +107,12 @@ def bench_row(study: Path, arm: str) -> dict | None:
     if not path.exists():
         return None
     agg = {(a["dataset"], a["method"]): a for a in json.loads(path.read_text())["aggregates"]}
-    sel, top1 = agg[("all", "dflash2")], agg[("all", "dflash2_top1")]
-    return {"tau": sel["tau"], "tau_top1": top1["tau"], "pos": sel["per_position_acceptance"],
+    sel, loop = agg[("all", "dflash2_no_lookup")], agg[("all", "dflash2")]
+    return {"tau": sel["tau"], "tau_loop": loop["tau"], "pos": sel["per_position_acceptance"],
             "draft_ms": sel["time_split_ms_per_cycle"]["draft"], "select_ms": sel["time_split_ms_per_cycle"]["select"],
             "identical": all(a["identical_all"] for a in agg.values()),
-            "chat": agg[("sharegpt-16500", "dflash2")]["tau"], "code": agg[("validation-code", "dflash2")]["tau"]}
+            "chat": agg[("sharegpt-16500", "dflash2_no_lookup")]["tau"],
+            "code": agg[("validation-code", "dflash2_no_lookup")]["tau"]}
 
 
 def plot(study: Path) -> None:
@@ -122,11 +123,14 @@ def plot(study: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for arm in dict.fromkeys(r["arm"] for r in rows):
-        pts = sorted((r["step"], r["final_eval"]) for r in rows if r["arm"] == arm)
+    colors = {"L1": "C0", "L2": "C1", "L3": "C2", "L5": "C3", "L8": "C4"}  # depth: colour; no conv: dashed
+    for arm in sorted(dict.fromkeys(r["arm"] for r in rows), key=lambda a: (int(a.split("-")[0][1:]), a)):
+        pts = sorted(((r["step"], r["final_eval"]) for r in rows if r["arm"] == arm), key=lambda x: x[0])
         steps = [s for s, _ in pts]
-        axes[0].plot(steps, [e["eval_tau_selector"] for _, e in pts], marker="o", label=arm)
-        axes[1].plot(steps, [e["eval_acc_slot_1"] for _, e in pts], marker="o", label=arm)
+        style = dict(marker="o", label=arm, color=colors.get(arm.split("-")[0]),
+                     linestyle="--" if "noconv" in arm else (":" if "B16" in arm else "-"))
+        axes[0].plot(steps, [e["eval_tau_selector"] for _, e in pts], **style)
+        axes[1].plot(steps, [e["eval_acc_slot_1"] for _, e in pts], **style)
     axes[0].set(xlabel="training steps", ylabel="teacher-forced tau (selector path)")
     axes[1].set(xlabel="training steps", ylabel="slot-1 accuracy (held out)")
     axes[0].legend(fontsize=8)
@@ -144,13 +148,14 @@ def plot(study: Path) -> None:
         print(f"| {arm} | {r['step']} | {e['eval_tau_selector']:.3f} | {e['eval_tau_top1']:.3f} | "
               f"{e['eval_acc_slot_1']:.3f} | {e['eval_acc_slot_4']:.3f} | {e['eval_acc_slot_7']:.3f} | "
               f"{per_step:.2f} |")
-    print("\nReal loop (tuning prompts, 10 chat + 10 code, fp32, greedy, 96 tokens, 1 thread):\n")
-    print("| arm | tau chat | tau code | tau all | tau top-1 path | position 1 | draft ms / cycle | identical |")
+    print("\nReal loop, the drafter alone (dflash2_no_lookup; tuning prompts, 10 chat + 10 code, fp32, greedy, 96 tokens,"
+          " 1 thread):\n")
+    print("| arm | tau chat | tau code | tau all | tau with copying | position 1 | draft ms / cycle | identical |")
     print("|---|---:|---:|---:|---:|---:|---:|---|")
     for arm in last:
         b = bench_row(study, arm)
         if b:
-            print(f"| {arm} | {b['chat']:.2f} | {b['code']:.2f} | {b['tau']:.2f} | {b['tau_top1']:.2f} | "
+            print(f"| {arm} | {b['chat']:.2f} | {b['code']:.2f} | {b['tau']:.2f} | {b['tau_loop']:.2f} | "
                   f"{b['pos'][0]:.2f} | {b['draft_ms']:.1f} | {b['identical']} |")
     print(f"\nwrote {study / 'curves.png'}")
 

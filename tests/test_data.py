@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import shutil
+import signal
 
 import pytest
 import torch
@@ -362,6 +365,17 @@ def test_cli_ctrl_c_says_what_is_kept_and_the_rerun_resumes_or_has_nothing_to_do
             raise KeyboardInterrupt
         write(self)
 
+    def kill_at_second_shard(self):  # `kill PID` of a background run: SIGTERM, handled like Ctrl-C
+        if self.next_index == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+        write(self)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(ShardWriter, "_write", kill_at_second_shard)
+        assert main(argv) == 130
+    assert read_dataset_meta(out)["status"] == "interrupted"
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL, "the SIGTERM handler outlived the command"
+    shutil.rmtree(out)
     with monkeypatch.context() as patch:
         patch.setattr(ShardWriter, "_write", ctrl_c_at_second_shard)
         assert main(argv) == 130

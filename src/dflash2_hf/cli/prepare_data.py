@@ -16,6 +16,8 @@ Example:
 from __future__ import annotations
 
 import argparse
+import signal
+import threading
 import json
 import logging
 import sys
@@ -75,6 +77,9 @@ def run(args: argparse.Namespace) -> int:
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
     device, own_group = _torchrun_device(resolve_device(args.device))
+    # `kill PID` (SIGTERM) stops a background run like Ctrl-C does: a shell ignores SIGINT in its background jobs
+    previous = signal.signal(signal.SIGTERM, _terminate) if threading.current_thread() is threading.main_thread() \
+        else None
     try:
         return _run(args, device)
     except KeyboardInterrupt:
@@ -83,8 +88,14 @@ def run(args: argparse.Namespace) -> int:
               "command to continue", file=sys.stderr)
         return 130
     finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
         if own_group:
             torch.distributed.destroy_process_group()
+
+
+def _terminate(signum, frame) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def _settings(args: argparse.Namespace) -> dict:
