@@ -67,6 +67,16 @@ def steps_done(arm_dir: Path) -> int:
     return best
 
 
+def run_logged(cmd: list[str], log_path: Path, what: str) -> None:
+    """Runs ``cmd`` with its output appended to ``log_path`` (after the command line); stops the study if it fails."""
+    with open(log_path, "a") as log:
+        log.write(f"\n$ {' '.join(cmd)}\n")
+        log.flush()
+        rc = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT)
+    if rc != 0:
+        raise SystemExit(f"{what} exited {rc} (see {log_path})")
+
+
 def run_chunk(study: Path, arm: str, arm_args: list[str], until: int, threads: int) -> dict:
     out = study / arm
     cmd = [os.path.join(os.path.dirname(sys.executable), "dflash2"), "train", *SHARED, *arm_args,
@@ -74,12 +84,7 @@ def run_chunk(study: Path, arm: str, arm_args: list[str], until: int, threads: i
            "--resume-from-checkpoint", "last", "--num-threads", str(threads)]
     # the arm's own options come last: --block-size of an arm overrides the shared one
     t0 = time.time()
-    with open(study / f"{arm}.log", "a") as log:
-        log.write(f"\n$ {' '.join(cmd)}\n")
-        log.flush()
-        rc = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT)
-    if rc != 0:
-        raise SystemExit(f"{arm}: dflash2 train exited {rc} (see {study / (arm + '.log')})")
+    run_logged(cmd, study / f"{arm}.log", f"{arm}: dflash2 train")
     summary = json.loads((out / "training_summary.json").read_text())
     return {"arm": arm, "step": until, "wall_s": round(time.time() - t0, 1), "final_eval": summary.get("final_eval"),
             "train_runtime_s": summary.get("train_runtime_s"), "last_metrics": summary.get("last_metrics")}
@@ -94,12 +99,7 @@ def evaluate(study: Path, arm: str, threads: int) -> None:
     out = study / f"{arm}-bench"
     cmd = [os.path.join(os.path.dirname(sys.executable), "dflash2"), "bench", *BENCH, "--drafter", str(study / arm),
            "--num-threads", str(threads), "--output-dir", str(out)]
-    with open(study / f"{arm}-bench.log", "w") as log:
-        log.write(f"$ {' '.join(cmd)}\n")
-        log.flush()
-        rc = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT)
-    if rc != 0:
-        raise SystemExit(f"{arm}: dflash2 bench exited {rc} (see {study / (arm + '-bench.log')})")
+    run_logged(cmd, study / f"{arm}-bench.log", f"{arm}: dflash2 bench")
 
 
 def bench_row(study: Path, arm: str) -> dict | None:

@@ -97,6 +97,7 @@ def check_hub_ids_reachable(*names_or_paths: str | os.PathLike | None) -> None:
         raise HubUnreachableError(f"{remote[0]!r} is not a local folder and the Hugging Face Hub is unreachable "
                                   f"({reason}): pass a local drafter folder or the shipped name {SHIPPED_DRAFTER!r}")
 
+
 _TEMPLATE = """
 # {title}
 
