@@ -40,9 +40,10 @@ ARMS = {
     "L5-noconv": ["--num-layers", "5", "--no-conv"],
     "L2-conv": ["--num-layers", "2"],
     "L8-conv": ["--num-layers", "8"],
+    "L8-noconv": ["--num-layers", "8", "--no-conv"],
     "L5-conv-B16": ["--num-layers", "5", "--block-size", "16"],
 }
-DEFAULT_ARMS = "L1-conv,L1-noconv,L3-conv,L3-noconv,L5-conv,L5-noconv,L2-conv,L8-conv"
+DEFAULT_ARMS = "L1-conv,L1-noconv,L3-conv,L3-noconv,L5-conv,L5-noconv,L2-conv,L8-conv,L8-noconv,L5-conv-B16"
 
 SHARED = [
     "--target", "smollm2",

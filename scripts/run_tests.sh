@@ -3,4 +3,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec .venv/bin/python -m pytest -q -p no:cacheprovider "$@"
+# Two worker processes (pytest-xdist), one test file each at a time; DFLASH2_TEST_WORKERS=0 runs in this process.
+exec .venv/bin/python -m pytest -q -p no:cacheprovider -n "${DFLASH2_TEST_WORKERS:-2}" --dist loadfile "$@"

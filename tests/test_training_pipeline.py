@@ -140,3 +140,94 @@ def test_cli_trains_online_without_a_cache_and_decodes_losslessly(tmp_path, monk
                  "--resume-from-checkpoint", "last", "--disable-tqdm", "true"]) == 0
     summary = json.loads((out / "training_summary.json").read_text())
     assert summary["resumed_from"].endswith("checkpoint-3") and summary["global_step"] == 4
+
+
+def test_train_only_selector_changes_the_selector_and_nothing_else(tmp_path, monkeypatch):
+    """``--train-only selector`` on an ``--init`` drafter: every other weight comes out bit-identical, the selector
+    trains; ``--selector-rank`` other than the drafter's gives a new selector of that rank; output stays lossless."""
+    from transformers import AutoModelForCausalLM
+
+    from dflash2_hf.cli import main
+    from test_data import _good_records, _tiny_tokenizer, _write_array, tiny_chat_target_folder
+
+    monkeypatch.setenv("DFLASH2_CACHE", str(tmp_path / "cache"))
+    t = tiny_chat_target_folder(tmp_path / "target")
+    src = str(_write_array(tmp_path / "sg.json", _good_records(4)))
+    assert main(["prepare-data", "--target", t, "--source", src, "--output-dir", str(tmp_path / "regen"), "--stop", "4",
+                 "--max-new-tokens", "8", "--no-progress"]) == 0
+    target = AutoModelForCausalLM.from_pretrained(t).eval()
+    torch.manual_seed(0)
+    base = DFlash2DraftModel.from_target(target, num_hidden_layers=1, block_size=4, selector_rank=4)
+    base.save_pretrained(tmp_path / "base")
+    before = {k: v.clone() for k, v in DFlash2DraftModel.from_pretrained(tmp_path / "base").state_dict().items()}
+    common = ["train", "--target", t, "--data", str(tmp_path / "regen"), "--features", "online", "--init",
+              str(tmp_path / "base"), "--train-only", "selector", "--num-blocks", "4", "--max-steps", "3",
+              "--learning-rate", "1e-2", "--disable-tqdm", "true", "--save-strategy", "no",
+              "--selector-top-k", str(target.config.vocab_size)]  # every label among the candidates: trains
+    for rank, out in ((None, tmp_path / "same"), (6, tmp_path / "wider")):
+        assert main(common + (["--selector-rank", str(rank)] if rank else []) + ["--output-dir", str(out)]) == 0
+        after = DFlash2DraftModel.from_pretrained(out).state_dict()
+        assert after.keys() == before.keys()
+        for name, value in after.items():
+            if "candidate_selector" in name:
+                continue
+            assert torch.equal(value, before[name]), name
+        codebook = after["candidate_selector.successor_codebook"]
+        assert codebook.shape[1] == (rank or 4)
+        if rank is None:
+            assert not torch.equal(codebook, before["candidate_selector.successor_codebook"])
+        assert codebook.abs().sum() > 0  # trained away from its zero start
+    drafter = DFlash2DraftModel.from_pretrained(tmp_path / "wider")
+    assert drafter.config.selector_rank == 6 and drafter.config.selector_top_k == target.config.vocab_size
+    ids = _tiny_tokenizer().apply_chat_template([{"role": "user", "content": "hello"}], add_generation_prompt=True,
+                                                return_tensors="pt", return_dict=True)["input_ids"]
+    assert torch.equal(target.generate(ids, max_new_tokens=10, do_sample=False),
+                       target.generate(ids, assistant_model=drafter, max_new_tokens=10, do_sample=False))
+
+
+@pytest.mark.parametrize("options, message", [
+    (["--train-only", "selector"], "--train-only selector needs --init"),
+    (["--train-only", "selector", "--init", "d", "--lora"], "exclude each other"),
+    (["--selector-rank", "0"], "--selector-rank must be >= 1"),
+])
+def test_selector_training_options_are_checked_before_any_work(options, message):
+    from dflash2_hf.cli import build_parser
+    from dflash2_hf.training.config import check_run
+    from dflash2_hf.training.parser import configs_from_namespace
+
+    cfg = configs_from_namespace(build_parser("train").parse_args(["train", "--data", "d", "--output-dir", "o",
+                                                                   *options]))
+    with pytest.raises(ValueError, match=message):
+        check_run(cfg.data, cfg.features, cfg.drafter, cfg.lora, cfg.training_args)
+
+
+def test_train_only_selector_refuses_a_drafter_without_one(target):
+    from dflash2_hf.training.build import apply_selector_options, freeze_all_but_selector
+
+    drafter = _drafter(target)
+    drafter.candidate_selector = None
+    drafter.config.use_candidate_selector = False
+    with pytest.raises(ValueError, match="no candidate selector.*--selector-rank"):
+        freeze_all_but_selector(drafter)
+    apply_selector_options(drafter, 3, None)  # adds one
+    freeze_all_but_selector(drafter)
+    assert {n for n, p in drafter.named_parameters() if p.requires_grad} == {
+        f"candidate_selector.{n}" for n, _ in drafter.candidate_selector.named_parameters()}
+
+
+def test_a_batch_without_labels_still_backpropagates_into_a_trainable_selector(target):
+    """With the drafter body frozen, a batch whose blocks hold no label must give a loss with a graph (the Trainer
+    calls backward on every batch): found on a real ``--train-only selector`` run."""
+    from dflash2_hf.training.build import freeze_all_but_selector
+    from dflash2_hf.training.losses import IGNORE_INDEX, drafter_loss
+
+    drafter = _drafter(target)
+    freeze_all_but_selector(drafter)
+    B = drafter.config.block_size
+    hidden = torch.randn(1, 2 * B, drafter.config.hidden_size)  # frozen body: no grad on it
+    labels = torch.full((1, 2 * B), IGNORE_INDEX)
+    out = drafter_loss(drafter, hidden, labels, torch.zeros(1, 2 * B, dtype=torch.long),
+                       target.get_output_embeddings(), B)
+    assert out.loss.requires_grad and float(out.loss.detach()) == 0.0
+    out.loss.backward()
+    assert drafter.candidate_selector.successor_codebook.grad is not None

@@ -36,5 +36,17 @@ def run(args: argparse.Namespace) -> int:
     from ..training import train
     from ..training.parser import configs_from_namespace
 
-    train(**configs_from_namespace(args)._asdict())
+    try:
+        train(**configs_from_namespace(args)._asdict())
+    finally:
+        _close_process_group()
     return 0
+
+
+def _close_process_group() -> None:
+    """Under torchrun / accelerate: every rank leaves the process group before the interpreter exits (a gloo group
+    torn down at exit can abort a rank with "terminate called without an active exception" once its work is done)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

@@ -68,6 +68,7 @@ def build_drafter(args, target, resume_from: str | None, lora: bool = False):
         drafter = DFlash2DraftModel.from_pretrained(resume_from)
     elif args.init:
         drafter = DFlash2DraftModel.from_pretrained(args.init)
+        apply_selector_options(drafter, args.selector_rank, args.selector_top_k)
     else:
         overrides = dict(num_hidden_layers=args.num_layers, block_size=args.block_size)
         if args.target_layer_ids:
@@ -92,7 +93,50 @@ def build_drafter(args, target, resume_from: str | None, lora: bool = False):
             with torch.no_grad():
                 drafter.norm.weight.fill_(args.init_norm)
     drafter.check_target(target)
+    if getattr(args, "train_only", "all") == "selector":
+        freeze_all_but_selector(drafter)
     return drafter.float().train()
+
+
+def apply_selector_options(drafter, rank: int | None, top_k: int | None) -> None:
+    """``--selector-rank`` / ``--selector-top-k`` on a trained (``--init``) drafter, in place.
+
+    A rank other than the drafter's (or a drafter without a selector) gets a NEW selector of that rank, initialised
+    like a fresh one: its successor codebook is zero, so until trained it drafts the top-1 path. ``top_k`` only
+    changes how many candidates per position the selector chooses among (no weights depend on it).
+    """
+    from ..modeling_layers import CandidateSelector
+
+    cfg = drafter.config
+    if top_k is not None:
+        cfg.selector_top_k = top_k
+        if drafter.candidate_selector is not None:
+            drafter.candidate_selector.top_k = top_k
+    if rank is None or (cfg.use_candidate_selector and rank == cfg.selector_rank):
+        return
+    old = f"rank {cfg.selector_rank}" if cfg.use_candidate_selector else "none"
+    cfg.selector_rank, cfg.use_candidate_selector = rank, True
+    selector = CandidateSelector(cfg)
+    selector.apply(drafter._init_weights)
+    drafter.candidate_selector = selector.to(drafter.fc.weight.device, drafter.fc.weight.dtype)
+    logger.info("--selector-rank %d: a new candidate selector (was %s); it drafts the top-1 path until trained",
+                rank, old)
+
+
+def freeze_all_but_selector(drafter) -> None:
+    """``--train-only selector``: every drafter parameter frozen except the candidate selector's.
+
+    Raises:
+        ValueError: the drafter has no candidate selector (name ``--selector-rank R`` to add one).
+    """
+    if drafter.candidate_selector is None:
+        raise ValueError("--train-only selector: this drafter has no candidate selector; add a new one with "
+                         "--selector-rank R (e.g. 72)")
+    drafter.requires_grad_(False)
+    drafter.candidate_selector.requires_grad_(True)
+    n = sum(p.numel() for p in drafter.candidate_selector.parameters())
+    logger.info("--train-only selector: training the candidate selector's %.2fM parameters, the rest of the "
+                "drafter frozen", n / 1e6)
 
 
 def check_draft_vocab(n: int | None, drafter) -> None:

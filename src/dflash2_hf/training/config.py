@@ -157,8 +157,14 @@ class DrafterArguments:
     target_layer_ids: str | None = field(default=None, metadata={"help": "comma-separated target layers (default: "
                                                                          "spread)"})
     mask_token_id: int | None = field(default=None, metadata={"help": "mask token id (default: pad / unk / last id)"})
-    selector_top_k: int | None = None
-    selector_rank: int | None = None
+    selector_top_k: int | None = field(default=None, metadata={
+        "metavar": "K", "help": "candidates per draft position the selector chooses among (with --init: changes it)"})
+    selector_rank: int | None = field(default=None, metadata={
+        "metavar": "R", "help": "rank of the selector's codebooks (with --init: a new selector of this rank, which "
+                                "starts as the top-1 path)"})
+    train_only: Literal["all", "selector"] = field(default="all", metadata={
+        "help": "selector: train only the candidate selector of the --init drafter, everything else frozen (steps "
+                "~2-3x cheaper; the top-1 path stays exactly as it was)"})
     no_conv: bool = field(default=False, metadata={"help": "fresh drafter without the local convolutions"})
     no_selector: bool = field(default=False, metadata={"help": "fresh drafter without the candidate selector"})
     layer_types: str | None = field(default=None, metadata={
@@ -254,6 +260,15 @@ def check_run(data: DataArguments, features: FeatureArguments, drafter: DrafterA
     """
     if data.data is None and not data.eval_only:
         raise ValueError("--data is required (a prepared data folder)")
+    if drafter.train_only == "selector" and not drafter.init:
+        raise ValueError("--train-only selector needs --init PATH_OR_ID: the trained drafter whose selector is "
+                         "trained (a fresh drafter's layers would stay random).")
+    if drafter.train_only == "selector" and lora.lora:
+        raise ValueError("--train-only selector and --lora exclude each other: the selector trains in full, "
+                         "without an adapter; drop one of them.")
+    for name, value in (("--selector-rank", drafter.selector_rank), ("--selector-top-k", drafter.selector_top_k)):
+        if value is not None and value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
     if lora.lora and not drafter.init:
         raise ValueError("--lora needs --init PATH_OR_ID: the trained drafter the adapter adapts.")
     if training_args.modules_to_save_learning_rate is not None and not (lora.lora_modules_to_save or lora.lora_init):
