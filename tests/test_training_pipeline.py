@@ -209,6 +209,8 @@ def test_train_only_selector_refuses_a_drafter_without_one(target):
     drafter.config.use_candidate_selector = False
     with pytest.raises(ValueError, match="no candidate selector.*--selector-rank"):
         freeze_all_but_selector(drafter)
+    with pytest.raises(ValueError, match="--selector-top-k 1000: this drafter proposes 128 token ids"):
+        apply_selector_options(drafter, None, 1000)
     apply_selector_options(drafter, 3, None)  # adds one
     freeze_all_but_selector(drafter)
     assert {n for n, p in drafter.named_parameters() if p.requires_grad} == {

@@ -104,11 +104,18 @@ def apply_selector_options(drafter, rank: int | None, top_k: int | None) -> None
     A rank other than the drafter's (or a drafter without a selector) gets a NEW selector of that rank, initialised
     like a fresh one: its successor codebook is zero, so until trained it drafts the top-1 path. ``top_k`` only
     changes how many candidates per position the selector chooses among (no weights depend on it).
+
+    Raises:
+        ValueError: ``top_k`` above the number of token ids the drafter can propose.
     """
     from ..modeling_layers import CandidateSelector
 
     cfg = drafter.config
     if top_k is not None:
+        proposable = cfg.draft_vocab_size or cfg.vocab_size
+        if top_k > proposable:
+            raise ValueError(f"--selector-top-k {top_k}: this drafter proposes {proposable} token ids (its "
+                             f"{'draft ' if cfg.draft_vocab_size else ''}vocabulary); choose at most that many")
         cfg.selector_top_k = top_k
         if drafter.candidate_selector is not None:
             drafter.candidate_selector.top_k = top_k
