@@ -189,6 +189,7 @@ def test_train_only_selector_changes_the_selector_and_nothing_else(tmp_path, mon
     (["--train-only", "selector"], "--train-only selector needs --init"),
     (["--train-only", "selector", "--init", "d", "--lora"], "exclude each other"),
     (["--selector-rank", "0"], "--selector-rank must be >= 1"),
+    (["--selector-rank", "64", "--init", "d", "--lora"], "--selector-rank cannot be used with --lora"),
 ])
 def test_selector_training_options_are_checked_before_any_work(options, message):
     from dflash2_hf.cli import build_parser

@@ -269,6 +269,9 @@ def check_run(data: DataArguments, features: FeatureArguments, drafter: DrafterA
     for name, value in (("--selector-rank", drafter.selector_rank), ("--selector-top-k", drafter.selector_top_k)):
         if value is not None and value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
+        if value is not None and lora.lora:
+            raise ValueError(f"{name} cannot be used with --lora: an adapter keeps its base drafter's selector; "
+                             "change the selector of the base drafter instead (--train-only selector)")
     if lora.lora and not drafter.init:
         raise ValueError("--lora needs --init PATH_OR_ID: the trained drafter the adapter adapts.")
     if training_args.modules_to_save_learning_rate is not None and not (lora.lora_modules_to_save or lora.lora_init):
