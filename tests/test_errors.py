@@ -169,7 +169,8 @@ def test_device_cuda_without_gpu_is_refused_before_any_work(command, capsys, tmp
 def test_device_values(monkeypatch):
     import argparse
 
-    from dflash2_hf.cli import device_spec, resolve_device
+    from dflash2_cli.options import device_spec
+    from dflash2_hf.cli import resolve_device
 
     assert [device_spec(v) for v in ("auto", "cpu", "cuda", "cuda:1")] == ["auto", "cpu", "cuda", "cuda:1"]
     for bad in ("gpu", "cuda:x", "cuda:"):

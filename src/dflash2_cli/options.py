@@ -2,7 +2,7 @@
 the shared options (``--device``, ``--dtype``, ``--drafter-dtype``, ``--cpu-kernels``) and the help formatting.
 
 Nothing here imports torch or transformers at module level, so ``dflash2 COMMAND --help`` and a bad option answer at
-once; :mod:`dflash2_hf.cli` re-exports every name.
+once; import them from here.
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 
 Each sub-command module defines ``run(args) -> int``; its options are declared torch-free in
 :mod:`dflash2_cli.arguments` (re-exported as the module's ``add_arguments``), so ``dflash2 COMMAND --help`` and a bad
-option answer before torch loads. This file runs a parsed command and holds the helpers the ``run`` functions share;
-the argparse types and shared options of :mod:`dflash2_cli.options` are re-exported here.
+option answer before torch loads. This file runs a parsed command and holds the helpers the ``run`` functions share
+(the argparse types and shared options live in :mod:`dflash2_cli.options`).
 """
 
 from __future__ import annotations
@@ -13,33 +13,13 @@ import importlib
 import sys
 
 from dflash2_cli import SUBCOMMANDS as _COMMANDS
-from dflash2_cli import build_parser
-from dflash2_cli.options import (  # noqa: F401 (re-exported: the sub-command modules and tests import them from here)
-    DRAFTER_DTYPES,
-    DTYPES,
-    OLD_OUTPUT_SPELLINGS,
-    HelpFormatter,
-    add_cpu_kernels_argument,
-    add_device_argument,
-    add_drafter_dtype_argument,
-    add_dtype_argument,
-    dataset_list,
-    device_spec,
-    drafter_spec,
-    non_negative,
-    non_negative_bound,
-    non_negative_int,
-    positive_int,
-    probability,
-    refuse_old_spellings,
-    show_defaults,
-    top_p,
-)
+from dflash2_cli import build_parser  # noqa: F401 (the parser of every sub-command; tests build it from here)
+from dflash2_cli.options import DRAFTER_DTYPES, DTYPES
 
 # sub-command name -> module (relative to this package)
 SUBCOMMANDS = {name: module for name, (module, _) in _COMMANDS.items()}
 
-# sub-command name -> module (relative to this package); help text comes from the module docstring.
+
 def warn_unused_sampling_filters(args: argparse.Namespace) -> None:
     """One warning on stderr when ``--top-p`` / ``--top-k`` are set (not off) while ``--temperature`` is 0: greedy
     decoding ignores them."""
@@ -137,9 +117,9 @@ def resolve_drafter_dtype(spec: str, device) -> tuple[object, bool, str]:
 
 def main(argv: list[str] | None = None) -> int:
     """Runs a sub-command; errors that name their fix print as one line (``DFLASH2_DEBUG=1``: full traceback)."""
-    argv = sys.argv[1:] if argv is None else list(argv)
-    command = next((arg for arg in argv if not arg.startswith("-")), None)
-    return run_parsed(build_parser(command if command in SUBCOMMANDS else None).parse_args(argv))
+    from dflash2_cli import main as parse_and_run  # parses torch-free, then calls run_parsed
+
+    return parse_and_run(argv)
 
 
 def run_parsed(args: argparse.Namespace) -> int:

@@ -152,9 +152,9 @@ def drafter_loss(
         "slot_count": torch.zeros(block_size, dtype=torch.float64),
     }
     zero = hidden.sum() * 0.0  # keeps the graph connected when nothing is labelled
-    if not zero.requires_grad and torch.is_grad_enabled():  # a frozen drafter body (--train-only selector)
-        zero = zero + sum(0.0 * p.sum() for p in drafter.parameters() if p.requires_grad)
     if y.numel() == 0:
+        if not zero.requires_grad and torch.is_grad_enabled():  # a frozen drafter body (--train-only selector)
+            zero = zero + sum(0.0 * p.sum() for p in drafter.parameters() if p.requires_grad)
         for k in ("top1_correct", "selector_correct", "topk_hit", "labels", "ce_sum", "ce_weight", "sel_sum",
                   "sel_weight", "accept_top1", "accept_selector", "blocks", "selector_on", "distill_sum",
                   "distill_weight"):
