@@ -60,7 +60,8 @@ def test_confidence_threshold_cuts_drafts_and_stays_identical(targets, arch, sel
             stats = drafter.generation_stats
             assert 1 + sum(stats.acceptance_lengths) == stats.new_tokens
             # the last cycle before max_length may have room for no draft at all
-            lengths[threshold] += [d for d in stats.draft_lengths if d > 0]
+            # (copies from the context are not the drafter's path: the threshold does not cut them)
+            lengths[threshold] += [d for d, c in zip(stats.draft_lengths, stats.copied) if d > 0 and not c]
     drafter.use_selector = True
     mean = {t: sum(v) / len(v) for t, v in lengths.items()}
     # a random drafter is never sure: 0.99 cuts after the first draft, no threshold proposes full blocks
@@ -111,8 +112,11 @@ def test_num_assistant_tokens_caps_the_drafts(targets):
         drafter.generation_config.num_assistant_tokens = cap
         out = target.generate(ids, assistant_model=drafter, max_new_tokens=25, do_sample=False)
         assert torch.equal(ref, out)
-        lengths = drafter.generation_stats.draft_lengths
+        stats = drafter.generation_stats
+        lengths = [d for d, c in zip(stats.draft_lengths, stats.copied) if not c]
         assert max(lengths) == min(cap, drafter.config.block_size - 1)  # 50 > B - 1: the block is the limit
+        if cap < drafter.config.block_size - 1:  # a cap below the block caps copies from the context too
+            assert max(stats.draft_lengths) <= cap
 
 
 @pytest.mark.parametrize("field,value,message", [

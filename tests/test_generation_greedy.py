@@ -10,6 +10,7 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
 from dflash2_hf.generation import candidate_generator as cg
+from dflash2_hf.generation.decoding import COPY_MAX_TOKENS
 from conftest import Oracle, make_drafter, randomize_convs, randomize_selector
 
 ARCHS = ("llama", "qwen3", "gemma3")
@@ -46,8 +47,10 @@ def test_greedy_identity_random_drafter(targets, arch, selector, conv):
         assert torch.equal(ref, out), (arch, selector, conv, length, new, seed)
         stats = drafter.generation_stats
         assert stats.new_tokens == out.shape[1] - length
-        # every cycle emits >= 1 and <= B tokens; tokens add up to what was generated (first comes from prefill)
-        assert all(1 <= a <= drafter.config.block_size for a in stats.acceptance_lengths)
+        # every cycle emits >= 1 and <= B tokens (a copy from the context: <= COPY_MAX_TOKENS + 1); tokens add up to
+        # what was generated (the first comes from prefill)
+        limits = [COPY_MAX_TOKENS + 1 if c else drafter.config.block_size for c in stats.copied]
+        assert all(1 <= a <= lim for a, lim in zip(stats.acceptance_lengths, limits, strict=True))
         assert 1 + sum(stats.acceptance_lengths) == stats.new_tokens
 
 
@@ -273,7 +276,8 @@ def test_draft_vocabulary_only_drafts_listed_tokens(targets, tmp_path, monkeypat
 
     def spy(gen, input_ids, n):
         proposal = original(gen, input_ids, n)
-        seen.append(proposal.tokens)
+        if not proposal.copied:  # a copy from the context proposes the context's tokens
+            seen.append(proposal.tokens)
         return proposal
 
     monkeypatch.setattr(cg.DFlash2CandidateGenerator, "propose", spy)

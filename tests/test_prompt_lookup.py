@@ -9,7 +9,7 @@ import torch
 from conftest import make_drafter, make_target
 from dflash2_hf.generation import candidate_generator as cg
 from dflash2_hf.generation.prompt_lookup import ngram_continuation
-from test_generation_sampling import THRESHOLD, _empirical, _exact_marginals, _tv, sampling_models
+from test_generation_sampling import THRESHOLD, VOCAB, _empirical, _exact_marginals, _tv, sampling_models
 
 
 def test_ngram_continuation_takes_the_most_recent_longest_match():
@@ -74,4 +74,56 @@ def test_sampling_with_copied_continuations_is_exact(monkeypatch):
     torch.manual_seed(7)
     emp, accepted = _empirical(target, drafter, prompt, draws=1500)
     assert sum(copied) > 0.2 * len(copied), (sum(copied), len(copied))  # copied continuations were verified
+    assert _tv(emp[0], p2) < THRESHOLD and _tv(emp[1], p3) < THRESHOLD, (emp, p2, p3)
+
+
+def test_recurring_ngram_is_copied_without_drafting_and_longer_than_a_block():
+    """A 12-token target's greedy text soon repeats 2-grams: those cycles verify copies of up to COPY_MAX_TOKENS
+    tokens with no drafter pass (more tokens than a drafter block holds), and the output stays plain greedy's."""
+    from dflash2_hf.generation.decoding import COPY_MAX_TOKENS
+
+    target, drafter, _ = sampling_models()
+    prompt = torch.tensor([[3, 7, 2, 9, 4, 3, 7, 2, 9, 4, 3, 7, 2, 9, 4, 3, 7, 2, 9, 4, 3, 7]])
+    plain = target.generate(prompt, do_sample=False, max_new_tokens=48, pad_token_id=0, eos_token_id=None)
+    out = target.generate(prompt, assistant_model=drafter, do_sample=False, max_new_tokens=48, pad_token_id=0,
+                          eos_token_id=None)
+    assert torch.equal(out, plain)
+    stats = drafter.generation_stats
+    cycles = len(stats.draft_lengths)
+    assert stats.copied_cycles > 0 and stats.drafter_passes < cycles, (stats.copied_cycles, stats.drafter_passes)
+    assert max(stats.draft_lengths) > drafter.config.block_size - 1
+    assert max(stats.draft_lengths) <= COPY_MAX_TOKENS
+    assert stats.new_tokens == 48
+    assert stats.copied_cycles == sum(stats.copied) and len(stats.copied) == cycles
+    # a caller's cap on the drafts per cycle caps copies too
+    drafter.generation_config.num_assistant_tokens = 2
+    try:
+        capped = target.generate(prompt, assistant_model=drafter, do_sample=False, max_new_tokens=48,
+                                 pad_token_id=0, eos_token_id=None)
+    finally:
+        drafter.generation_config.num_assistant_tokens = None
+    assert torch.equal(capped, plain)
+    assert drafter.generation_stats.copied_cycles > 0 and max(drafter.generation_stats.draft_lengths) == 2
+
+
+def test_sampling_with_copies_made_without_drafting_is_exact(monkeypatch):
+    """Every token of the 12-token vocabulary follows a 3 somewhere in the prompt, so after the first sampled token
+    the 2-gram (3, t1) always recurs: the first cycle verifies a copy made without a drafter pass (q = 1 for every
+    copied token). The 2nd and 3rd tokens still follow the target's exact distribution."""
+    target, drafter, _ = sampling_models()
+    prompt = torch.tensor([[x for t in range(VOCAB) for x in (3, t, 9)] + [3]])
+    p2, p3 = _exact_marginals(target, prompt)
+    made = []
+    propose_copy = cg.DFlash2CandidateGenerator.propose_copy
+
+    def spy(self, *args, **kwargs):
+        proposal = propose_copy(self, *args, **kwargs)
+        made.append(proposal is not None)
+        return proposal
+
+    monkeypatch.setattr(cg.DFlash2CandidateGenerator, "propose_copy", spy)
+    torch.manual_seed(11)
+    emp, accepted = _empirical(target, drafter, prompt, draws=1500)
+    assert sum(made) >= 1500, (sum(made), len(made))  # the first cycle of every draw verified such a copy
+    assert accepted > 0.1  # copied tokens were accepted: the copy's q = 1 path is what is being tested
     assert _tv(emp[0], p2) < THRESHOLD and _tv(emp[1], p3) < THRESHOLD, (emp, p2, p3)

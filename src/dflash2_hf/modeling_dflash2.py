@@ -99,10 +99,11 @@ class DFlash2DraftModel(DFlash2PreTrainedModel):
             last ``generate()`` call that used this drafter.
         use_selector (bool): True (default) walks the candidate selector's best path; False drafts the top-1 path
             (the selector's measured baseline). Read at every ``generate()`` call, not saved.
-        use_prompt_lookup (bool): copy from the context where the drafter agrees (default True): in a cycle where
-            the drafter's first draft equals the first token of the n-gram continuation prompt lookup would propose
-            (:mod:`dflash2_hf.generation.prompt_lookup`), that continuation is verified instead of the rest of the
-            drafter's path. Lossless (greedy and sampling); read at every ``generate()`` call, not saved.
+        use_prompt_lookup (bool): copy from the context (default True; :mod:`dflash2_hf.generation.prompt_lookup`):
+            where the sequence's last 2 or 3 tokens occur earlier, the tokens that followed them (up to 15) are
+            verified without a drafter pass; else, where the drafter's first draft equals the first token that
+            followed the last token's earlier occurrence, that continuation replaces the rest of its path.
+            Lossless (greedy and sampling); read at every ``generate()`` call, not saved.
         generation_config (``transformers.GenerationConfig``): the assistant knobs ``transformers`` defines, read by
             the DFlash2 loop at every ``generate()`` call: ``num_assistant_tokens`` caps the drafts per cycle (at
             most ``block_size - 1``), ``assistant_confidence_threshold`` cuts each proposed path after its first

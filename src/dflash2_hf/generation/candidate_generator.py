@@ -30,7 +30,8 @@ class DraftProposal:
         q: ``(P, k)`` float32, proposal probability of each candidate given the sampled predecessor (sampling only).
         confidence: ``(P,)`` float32, :func:`path_confidence` of each proposed draft (when a draft-length rule read
             it, else None).
-        copied: the drafts after the first are copied from the context (:mod:`.prompt_lookup`), not the drafter's.
+        copied: the drafts (after the first, where ``drafted``) are copied from the context (:mod:`.prompt_lookup`).
+        drafted: the drafter made a pass for this proposal (False: a copy made without one).
     """
 
     tokens: torch.LongTensor
@@ -38,6 +39,7 @@ class DraftProposal:
     q: torch.Tensor | None = None
     confidence: torch.Tensor | None = None
     copied: bool = False
+    drafted: bool = True
 
     def q_of_tokens(self) -> torch.Tensor:
         """``(P,)`` proposal probability of each proposed token."""
@@ -153,8 +155,13 @@ class DFlash2CandidateGenerator:
             ``input_ids`` lacks (an ``inputs_embeds`` prompt) minus the padding kept out of the context.
         draft_length: a :class:`~.draft_length.DraftLengthPolicy` choosing how many drafts of each path to propose
             from the cost curve and the calibrated confidence (instead of ``confidence_threshold``), or None.
-        prompt_lookup_ngram: copy from the context where the drafter agrees (:mod:`.prompt_lookup`): the longest
-            n-gram (``n <= prompt_lookup_ngram``) to match; 0 = never copy.
+        prompt_lookup_ngram: copy from the context (:mod:`.prompt_lookup`): the longest n-gram
+            (``n <= prompt_lookup_ngram``) to match; 0 = never copy.
+        copy_min_ngram: :meth:`propose_copy` copies without drafting where an n-gram of at least this many tokens
+            recurs (shorter matches are copied only where the drafter agrees).
+        copy_max_tokens: the most tokens one copy proposes (a copy may be longer than a drafter block).
+        max_length: the call's ``max_length`` (prompt included): a copy never reaches past it (None: a copy is no
+            longer than the requested drafts).
     """
 
     def __init__(
@@ -169,9 +176,17 @@ class DFlash2CandidateGenerator:
         position_offset: int = 0,
         draft_length=None,
         prompt_lookup_ngram: int = 0,
+        copy_min_ngram: int = 2,
+        copy_max_tokens: int = 15,
+        max_length: int | None = None,
     ):
+        if copy_min_ngram < 1 or copy_max_tokens < 1:
+            raise ValueError(f"copy_min_ngram and copy_max_tokens must be >= 1, got {copy_min_ngram}, {copy_max_tokens}")
         self.drafter = drafter
         self.prompt_lookup_ngram = prompt_lookup_ngram
+        self.copy_min_ngram = copy_min_ngram
+        self.copy_max_tokens = copy_max_tokens
+        self.max_length = max_length
         self.draft_length = draft_length
         self.position_offset = position_offset
         self.confidence_threshold = confidence_threshold
@@ -209,14 +224,38 @@ class DFlash2CandidateGenerator:
         self.context_positions += features.shape[1]
 
     @torch.no_grad()
+    def propose_copy(self, input_ids: torch.LongTensor, room: int) -> DraftProposal | None:
+        """Copies from the context without a drafter pass where the sequence's last n-gram of at least
+        ``copy_min_ngram`` tokens recurs in it: the tokens that followed its most recent occurrence (at least 2, at
+        most ``min(copy_max_tokens, room)``), else None. Sampling: every copied token is a deterministic proposal
+        (``q = 1``), as in prompt lookup decoding, so rejection sampling stays exact."""
+        if not self.prompt_lookup_ngram or room < 2 or self.copy_min_ngram > self.prompt_lookup_ngram:
+            return None
+        with timed(self.stats, "select_seconds", self.device):
+            tokens = ngram_continuation(input_ids, self.prompt_lookup_ngram, min(self.copy_max_tokens, room),
+                                        min_ngram_size=self.copy_min_ngram)
+            if tokens.shape[0] < 2:
+                return None
+            tokens = tokens.to(self.device)
+            if not self.do_sample:
+                return DraftProposal(tokens=tokens[None], copied=True, drafted=False)
+            return DraftProposal(tokens=tokens[None], candidate_ids=tokens[:, None],
+                                 q=torch.ones(tokens.shape[0], 1, device=self.device), copied=True, drafted=False)
+
+    @torch.no_grad()
     def propose(self, input_ids: torch.LongTensor, num_drafts: int) -> DraftProposal:
         """Drafts up to ``num_drafts`` (``1 .. B-1``) tokens after ``input_ids`` (its last token is the anchor).
 
-        Fewer (at least one) when ``confidence_threshold`` cuts the path.
+        Fewer (at least one) when ``confidence_threshold`` cuts the path. A copy from the context
+        (:meth:`propose_copy`, or one the drafter agrees with) may be longer, up to ``max_length``.
 
         Raises:
             RuntimeError: the queued context does not end right before the anchor (a loop bookkeeping bug).
         """
+        room = num_drafts if self.max_length is None else max(num_drafts, self.max_length - input_ids.shape[1] - 1)
+        copied = self.propose_copy(input_ids, room)
+        if copied is not None:
+            return copied
         anchor_pos = self.position_offset + input_ids.shape[1] - 1
         if self.context_positions != anchor_pos:
             raise RuntimeError(
@@ -240,7 +279,7 @@ class DFlash2CandidateGenerator:
         with timed(self.stats, "select_seconds", self.device):
             if not self.do_sample and self.selector is None and not self.confidence_threshold and not self.draft_length:
                 tokens = self._to_target_ids(logits.argmax(-1))[None]
-                return self._copied(input_ids, tokens[0, 0], num_drafts) or DraftProposal(tokens=tokens)
+                return self._copied(input_ids, tokens[0, 0], room) or DraftProposal(tokens=tokens)
             top_logits, candidate_ids = logits.topk(self.top_k, dim=-1)  # (P, k)
             candidate_ids = self._to_target_ids(candidate_ids)
             if self.selector is None:  # the unary term alone: the same row for every predecessor
@@ -255,7 +294,7 @@ class DFlash2CandidateGenerator:
             else:
                 path, q = walk_greedy(scores), None
             first = (candidate_ids[0], None if q is None else q[0])  # the drafter's proposal of position 1
-            copied = self._copied(input_ids, candidate_ids[0, path[0]], num_drafts, first)
+            copied = self._copied(input_ids, candidate_ids[0, path[0]], room, first)
             if copied is not None:
                 return copied
             confidence = None
@@ -273,14 +312,14 @@ class DFlash2CandidateGenerator:
             return DraftProposal(tokens=tokens, candidate_ids=candidate_ids if q is not None else None, q=q,
                                  confidence=confidence)
 
-    def _copied(self, input_ids: torch.LongTensor, first_draft: torch.Tensor, num_drafts: int,
+    def _copied(self, input_ids: torch.LongTensor, first_draft: torch.Tensor, room: int,
                 first_row: tuple | None = None) -> DraftProposal | None:
-        """The n-gram continuation of ``input_ids`` as this cycle's proposal, where its first token equals the
-        drafter's ``first_draft`` (else None). Sampling: position 1 keeps the drafter's candidates and ``q``
-        (``first_row``), the copied tokens after it have ``q = 1``."""
-        if not self.prompt_lookup_ngram or num_drafts < 2:
+        """The n-gram continuation of ``input_ids`` (at most ``min(copy_max_tokens, room)`` tokens) as this cycle's
+        proposal, where its first token equals the drafter's ``first_draft`` (else None). Sampling: position 1 keeps
+        the drafter's candidates and ``q`` (``first_row``), the copied tokens after it have ``q = 1``."""
+        if not self.prompt_lookup_ngram or room < 2:
             return None
-        tokens = ngram_continuation(input_ids, self.prompt_lookup_ngram, num_drafts)
+        tokens = ngram_continuation(input_ids, self.prompt_lookup_ngram, min(self.copy_max_tokens, room))
         if tokens.shape[0] < 2 or not self._agrees(tokens, first_draft):
             return None
         tokens = tokens.to(self.device)

@@ -44,6 +44,8 @@ from .verification import TokenEmitter, greedy_picker, sampling_picker, verify_b
 logger = logging.get_logger(__name__)
 
 PROMPT_LOOKUP_NGRAM = 3  # longest n-gram matched when copying from the context (drafter.use_prompt_lookup)
+COPY_MIN_NGRAM = 2  # a recurring n-gram this long is copied without drafting; shorter ones where the drafter agrees
+COPY_MAX_TOKENS = 15  # the most tokens one copy proposes (verified as 16 with the anchor)
 
 
 def _draft_length_settings(drafter) -> tuple[int, float | None, bool]:
@@ -176,6 +178,9 @@ def dflash2_assisted_decoding(
         confidence_threshold=confidence_threshold,
         position_offset=layout.offset - layout.hidden_positions,
         prompt_lookup_ngram=PROMPT_LOOKUP_NGRAM if getattr(drafter, "use_prompt_lookup", False) else 0,
+        copy_min_ngram=COPY_MIN_NGRAM,
+        copy_max_tokens=COPY_MAX_TOKENS,
+        max_length=generation_config.max_length if max_drafts >= drafter.config.block_size - 1 else None,
     )
     if cost_schedule:  # measures the cost curve on first use: before the timed loop, outside the stats
         generator.draft_length = policy_for(drafter, target, generator.hidden_layer_indices)
@@ -194,16 +199,17 @@ def dflash2_assisted_decoding(
 
     while True:
         cur_len = input_ids.shape[1]
-        proposal = None
         # 1. Draft, never past max_length: accepted drafts + the bonus token must fit.
         cycle_start = time.perf_counter()
+        proposal = None
         num_drafts = 0 if is_first_iteration else min(max_drafts, max_length - cur_len - 1)
         if num_drafts and generator.draft_length is not None and not generator.draft_length.should_draft():
             num_drafts = 0
         candidate_input_ids = input_ids
-        drafted = num_drafts > 0
-        if num_drafts > 0:
+        drafted = False  # whether the drafter made a pass this cycle
+        if num_drafts > 0:  # a copy from the context (up to max_length) or the drafter's path
             proposal = generator.propose(input_ids, num_drafts)
+            drafted = proposal.drafted
             candidate_input_ids = torch.cat([input_ids, proposal.tokens.to(input_ids.device)], dim=1)
             if proposal.tokens.shape[1] == 0:  # the cost schedule chose to verify the anchor alone
                 proposal = None
@@ -241,7 +247,8 @@ def dflash2_assisted_decoding(
         block = verify_block(new_logits, input_ids, logits_processor, emitter, pick)
         input_ids = block.sequence
         n_matches = block.emitted - 1
-        if generator.draft_length is not None and not is_first_iteration and not block.stopped:
+        copied_only = proposal is not None and not drafted  # no drafter pass: neither a drafting nor a plain cycle
+        if generator.draft_length is not None and not is_first_iteration and not block.stopped and not copied_only:
             if proposal is not None and proposal.confidence is not None:  # a stop hides what came after it
                 generator.draft_length.update(proposal.confidence, block.accepted)
             generator.draft_length.record_cycle(block.emitted, time.perf_counter() - cycle_start, drafted)
@@ -249,7 +256,8 @@ def dflash2_assisted_decoding(
             stats.acceptance_lengths.append(block.emitted)
             stats.accepted_drafts.append(block.accepted)
             stats.draft_lengths.append(num_drafts)
-            stats.copied_cycles += int(proposal is not None and proposal.copied)
+            stats.copied.append(proposal is not None and proposal.copied)
+            stats.copied_cycles += int(stats.copied[-1])
 
         # 4. Roll the target cache back to the accepted tokens; queue their hidden states as drafter context.
         output_cache.crop(-(num_drafts - n_matches))

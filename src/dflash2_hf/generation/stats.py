@@ -18,7 +18,9 @@ class GenerationStats:
         accepted_drafts: per cycle, drafts the target accepted among the emitted tokens (a stop inside the block
             ends the count there: nothing past a stop is verified, as plain decoding would not look at it).
         draft_lengths: per cycle, drafts proposed (``B - 1`` except near ``max_length``, or fewer when
-            ``num_assistant_tokens`` / ``assistant_confidence_threshold`` limit them).
+            ``num_assistant_tokens`` / ``assistant_confidence_threshold`` limit them; a copy from the context may
+            propose more, up to 15).
+        copied: per cycle, whether it verified a copy from the context instead of the drafter's path.
         new_tokens: tokens generated in total (prefill's first token included).
         draft_seconds: drafter forward passes + LM head on the draft positions (wall clock, seconds).
         select_seconds: top-k + candidate selector + path walk.
@@ -27,8 +29,8 @@ class GenerationStats:
         total_seconds: the whole decoding loop.
         drafter_passes: drafter forward passes (one per cycle that drafted; the cost schedule's plain steps make none,
             and a cycle whose pass it then verified none of, ``draft_lengths`` 0, made one).
-        copied_cycles: cycles that verified a continuation copied from the context (``drafter.use_prompt_lookup``:
-            the drafter's first draft agreed with it) instead of the drafter's own path.
+        copied_cycles: cycles that verified a continuation copied from the context (``drafter.use_prompt_lookup``)
+            instead of the drafter's own path; those copied on a recurring 2- or 3-gram made no drafter pass.
         cost_curve: with the ``"cost"`` draft-length schedule, the verification cost curve it chose lengths from
             (``{"label", "verify_ms": {"n": ms}, "relative": {"n": T_verify(n) / T_decode}}``), else None.
     """
@@ -37,6 +39,7 @@ class GenerationStats:
     acceptance_lengths: list[int] = field(default_factory=list)
     accepted_drafts: list[int] = field(default_factory=list)
     draft_lengths: list[int] = field(default_factory=list)
+    copied: list[bool] = field(default_factory=list)
     new_tokens: int = 0
     draft_seconds: float = 0.0
     select_seconds: float = 0.0
@@ -54,7 +57,8 @@ class GenerationStats:
 
     @property
     def tau(self) -> float:
-        """Acceptance length: mean tokens per verification cycle (1.0 = plain decoding, at most ``block_size``)."""
+        """Acceptance length: mean tokens per verification cycle (1.0 = plain decoding; at most ``block_size`` from
+        the drafter, more in cycles that verify a longer copy from the context)."""
         return sum(self.acceptance_lengths) / len(self.acceptance_lengths) if self.acceptance_lengths else 0.0
 
     @property
@@ -107,6 +111,7 @@ class GenerationStats:
             total.acceptance_lengths += s.acceptance_lengths
             total.accepted_drafts += s.accepted_drafts
             total.draft_lengths += s.draft_lengths
+            total.copied += s.copied
             for name in ("new_tokens", "drafter_passes", "copied_cycles", "draft_seconds", "select_seconds", "verify_seconds", "prefill_seconds",
                          "total_seconds"):
                 setattr(total, name, getattr(total, name) + getattr(s, name))
