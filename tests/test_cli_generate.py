@@ -27,7 +27,7 @@ def test_generate_with_the_cost_schedule(capsys):
     out = capsys.readouterr().out
     assert rc == 0
     assert "greedy outputs identical: True" in out
-    assert "cost schedule: T_verify(n)/T_decode = 1: 1.00, 2: " in out and "cycles (the others were plain steps)" in out
+    assert "cost schedule: T_verify(n)/T_decode = 1: 1.00, 2: " in out and "verified a copy from the context made without it (the others were plain steps)" in out
 
 
 @pytest.mark.parametrize("value", ["1.5", "-0.1", "abc"])

@@ -180,6 +180,7 @@ def test_bench_method_dflash2_cost_reports_the_curve(targets, tmp_path):
     assert row["identical_all"] and set(row["cost_curve"]["relative"]) == {str(n) for n in range(1, 7)}
     assert 0 < row["drafted_cycles"] <= 1
     text = (tmp_path / "results.md").read_text()
-    assert "Draft length from the cost curve (`dflash2_cost`)" in text and "% of the cycles (the others were plain" in text
+    assert "Draft length from the cost curve (`dflash2_cost`)" in text and "made without it (the others were plain steps)" in text
+    assert 0 <= row["copy_only_cycles"] <= 1 - row["drafted_cycles"]
     assert drafter.generation_config.num_assistant_tokens_schedule is None  # the method's setting was restored
 

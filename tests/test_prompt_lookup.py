@@ -95,6 +95,8 @@ def test_recurring_ngram_is_copied_without_drafting_and_longer_than_a_block():
     assert max(stats.draft_lengths) <= COPY_MAX_TOKENS
     assert stats.new_tokens == 48
     assert stats.copied_cycles == sum(stats.copied) and len(stats.copied) == cycles
+    assert 0 < stats.copies_without_drafting <= stats.copied_cycles
+    assert stats.drafter_passes + stats.copies_without_drafting == cycles  # no cost schedule: no plain steps
     # a caller's cap on the drafts per cycle caps copies too
     drafter.generation_config.num_assistant_tokens = 2
     try:

@@ -82,7 +82,8 @@ def aggregate(records: list[RawRecord], methods: tuple, block_size: int | None, 
                                                   merged.draft_seconds, merged.select_seconds)
                 if merged.cost_curve:  # dflash2_cost: the curve it chose from, and how often the drafter ran
                     row.update(cost_curve=merged.cost_curve,
-                               drafted_cycles=merged.drafter_passes / cycles if cycles else None)
+                               drafted_cycles=merged.drafter_passes / cycles if cycles else None,
+                               copy_only_cycles=merged.copies_without_drafting / cycles if cycles else None)
             else:
                 cycles = fw_cycles
                 drafts = [x for r in rs for x in (r.forwards["drafts"] or [])]
@@ -277,7 +278,8 @@ def cost_curve_lines(aggregates: list[dict]) -> list[str]:
     lines = ["", f"Draft length from the cost curve (`dflash2_cost`): verifying n tokens costs T_verify(n)/T_decode = "
                  f"{relative} (measured once: {curve['label']}, {curve['verify_ms']['1']:.1f} ms per decoding step)", ""]
     for r in rows:
-        lines.append(f"- {r['dataset']}: the drafter ran in {100 * (r.get('drafted_cycles') or 0):.0f}% of the cycles "
+        lines.append(f"- {r['dataset']}: the drafter ran in {100 * (r.get('drafted_cycles') or 0):.0f}% of the cycles, "
+                     f"{100 * (r.get('copy_only_cycles') or 0):.0f}% verified a copy from the context made without it "
                      f"(the others were plain steps); {_fmt(r.get('mean_draft_length'))} drafts verified per cycle "
                      "that verified any")
     return lines

@@ -95,7 +95,8 @@ def run(args: argparse.Namespace) -> int:
         from ..generation.draft_length import CostCurve
 
         print(f"cost schedule: T_verify(n)/T_decode = {CostCurve.format_relative(stats.cost_curve)}; the drafter ran in {stats.drafter_passes} of "
-              f"{stats.num_cycles} cycles (the others were plain steps)")
+              f"{stats.num_cycles} cycles, {stats.copies_without_drafting} verified a copy from the context made without "
+              "it (the others were plain steps)")
     if args.compare:
         start = time.perf_counter()
         ref = target.generate(ids, **kw)

@@ -30,7 +30,8 @@ class GenerationStats:
         drafter_passes: drafter forward passes (one per cycle that drafted; the cost schedule's plain steps make none,
             and a cycle whose pass it then verified none of, ``draft_lengths`` 0, made one).
         copied_cycles: cycles that verified a continuation copied from the context (``drafter.use_prompt_lookup``)
-            instead of the drafter's own path; those copied on a recurring 2- or 3-gram made no drafter pass.
+            instead of the drafter's own path.
+        copies_without_drafting: those of them that made no drafter pass (the sequence's last 2-3 tokens recurred).
         cost_curve: with the ``"cost"`` draft-length schedule, the verification cost curve it chose lengths from
             (``{"label", "verify_ms": {"n": ms}, "relative": {"n": T_verify(n) / T_decode}}``), else None.
     """
@@ -48,6 +49,7 @@ class GenerationStats:
     total_seconds: float = 0.0
     drafter_passes: int = 0
     copied_cycles: int = 0
+    copies_without_drafting: int = 0
     cost_curve: dict | None = None
 
     @property
@@ -112,7 +114,7 @@ class GenerationStats:
             total.accepted_drafts += s.accepted_drafts
             total.draft_lengths += s.draft_lengths
             total.copied += s.copied
-            for name in ("new_tokens", "drafter_passes", "copied_cycles", "draft_seconds", "select_seconds", "verify_seconds", "prefill_seconds",
+            for name in ("new_tokens", "drafter_passes", "copied_cycles", "copies_without_drafting", "draft_seconds", "select_seconds", "verify_seconds", "prefill_seconds",
                          "total_seconds"):
                 setattr(total, name, getattr(total, name) + getattr(s, name))
             total.cost_curve = total.cost_curve or s.cost_curve
