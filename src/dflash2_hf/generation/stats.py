@@ -27,8 +27,9 @@ class GenerationStats:
         verify_seconds: target forward passes of verification cycles.
         prefill_seconds: the target's prompt forward pass.
         total_seconds: the whole decoding loop.
-        drafter_passes: drafter forward passes (one per cycle that drafted; the cost schedule's plain steps make none,
-            and a cycle whose pass it then verified none of, ``draft_lengths`` 0, made one).
+        drafter_passes: drafter forward passes (one per cycle that drafted; the cost schedule's plain steps, copies
+            made without drafting and a last cycle with no room before ``max_length`` make none, and a cycle whose
+            pass the cost schedule then verified none of, ``draft_lengths`` 0, made one).
         copied_cycles: cycles that verified a continuation copied from the context (``drafter.use_prompt_lookup``)
             instead of the drafter's own path.
         copies_without_drafting: those of them that made no drafter pass (the sequence's last 2-3 tokens recurred).
