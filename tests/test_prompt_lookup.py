@@ -12,6 +12,20 @@ from dflash2_hf.generation.prompt_lookup import ngram_continuation
 from test_generation_sampling import THRESHOLD, VOCAB, _empirical, _exact_marginals, _tv, sampling_models
 
 
+def _record_proposals(monkeypatch, method: str) -> list[bool]:
+    """Wraps ``DFlash2CandidateGenerator.<method>``; the list gets, per call, whether it returned a proposal."""
+    made = []
+    original = getattr(cg.DFlash2CandidateGenerator, method)
+
+    def spy(self, *args, **kwargs):
+        proposal = original(self, *args, **kwargs)
+        made.append(proposal is not None)
+        return proposal
+
+    monkeypatch.setattr(cg.DFlash2CandidateGenerator, method, spy)
+    return made
+
+
 def test_ngram_continuation_takes_the_most_recent_longest_match():
     ids = torch.tensor([[5, 1, 2, 9, 1, 2, 3, 4, 7, 1, 2]])
     # the 2-gram (1, 2) last occurred at index 4: what followed it
@@ -61,16 +75,8 @@ def test_sampling_with_copied_continuations_is_exact(monkeypatch):
         logits[..., 5] += 2.0
         return logits
 
-    copied = []
-    copy = cg.DFlash2CandidateGenerator._copied
-
-    def spy(self, *args, **kwargs):
-        proposal = copy(self, *args, **kwargs)
-        copied.append(proposal is not None)
-        return proposal
-
     monkeypatch.setattr(type(drafter), "compute_logits", leaning)
-    monkeypatch.setattr(cg.DFlash2CandidateGenerator, "_copied", spy)
+    copied = _record_proposals(monkeypatch, "_copied")
     torch.manual_seed(7)
     emp, accepted = _empirical(target, drafter, prompt, draws=1500)
     assert sum(copied) > 0.2 * len(copied), (sum(copied), len(copied))  # copied continuations were verified
@@ -117,15 +123,7 @@ def test_sampling_with_copies_made_without_drafting_is_exact(monkeypatch):
     target, drafter, _ = sampling_models()
     prompt = torch.tensor([[x for t in range(VOCAB) for x in (3, t, 9)] + [3]])
     p2, p3 = _exact_marginals(target, prompt)
-    made = []
-    propose_copy = cg.DFlash2CandidateGenerator.propose_copy
-
-    def spy(self, *args, **kwargs):
-        proposal = propose_copy(self, *args, **kwargs)
-        made.append(proposal is not None)
-        return proposal
-
-    monkeypatch.setattr(cg.DFlash2CandidateGenerator, "propose_copy", spy)
+    made = _record_proposals(monkeypatch, "propose_copy")
     torch.manual_seed(11)
     emp, accepted = _empirical(target, drafter, prompt, draws=1500)
     assert sum(made) >= 1500, (sum(made), len(made))  # the first cycle of every draw verified such a copy

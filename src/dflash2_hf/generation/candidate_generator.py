@@ -317,9 +317,11 @@ class DFlash2CandidateGenerator:
         """The n-gram continuation of ``input_ids`` (at most ``min(copy_max_tokens, room)`` tokens) as this cycle's
         proposal, where its first token equals the drafter's ``first_draft`` (else None). Sampling: position 1 keeps
         the drafter's candidates and ``q`` (``first_row``), the copied tokens after it have ``q = 1``."""
-        if not self.prompt_lookup_ngram or room < 2:
+        # propose() ran propose_copy first: n-grams of copy_min_ngram tokens and longer did not recur
+        longest = self.prompt_lookup_ngram if self.copy_min_ngram > self.prompt_lookup_ngram else self.copy_min_ngram - 1
+        if longest < 1 or room < 2:
             return None
-        tokens = ngram_continuation(input_ids, self.prompt_lookup_ngram, min(self.copy_max_tokens, room))
+        tokens = ngram_continuation(input_ids, longest, min(self.copy_max_tokens, room))
         if tokens.shape[0] < 2 or not self._agrees(tokens, first_draft):
             return None
         tokens = tokens.to(self.device)

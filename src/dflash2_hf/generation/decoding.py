@@ -257,7 +257,6 @@ def dflash2_assisted_decoding(
             stats.accepted_drafts.append(block.accepted)
             stats.draft_lengths.append(num_drafts)
             stats.copied.append(proposal is not None and proposal.copied)
-            stats.copied_cycles += int(stats.copied[-1])
             stats.copies_without_drafting += int(copied_only)
 
         # 4. Roll the target cache back to the accepted tokens; queue their hidden states as drafter context.

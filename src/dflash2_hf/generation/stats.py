@@ -30,9 +30,7 @@ class GenerationStats:
         drafter_passes: drafter forward passes (one per cycle that drafted; the cost schedule's plain steps, copies
             made without drafting and a last cycle with no room before ``max_length`` make none, and a cycle whose
             pass the cost schedule then verified none of, ``draft_lengths`` 0, made one).
-        copied_cycles: cycles that verified a continuation copied from the context (``drafter.use_prompt_lookup``)
-            instead of the drafter's own path.
-        copies_without_drafting: those of them that made no drafter pass (the sequence's last 2-3 tokens recurred).
+        copies_without_drafting: cycles that verified a copy made with no drafter pass (the last 2-3 tokens recurred).
         cost_curve: with the ``"cost"`` draft-length schedule, the verification cost curve it chose lengths from
             (``{"label", "verify_ms": {"n": ms}, "relative": {"n": T_verify(n) / T_decode}}``), else None.
     """
@@ -49,7 +47,6 @@ class GenerationStats:
     prefill_seconds: float = 0.0
     total_seconds: float = 0.0
     drafter_passes: int = 0
-    copied_cycles: int = 0
     copies_without_drafting: int = 0
     cost_curve: dict | None = None
 
@@ -57,6 +54,12 @@ class GenerationStats:
     def num_cycles(self) -> int:
         """Verification cycles (target forwards after the prefill)."""
         return len(self.acceptance_lengths)
+
+    @property
+    def copied_cycles(self) -> int:
+        """Cycles that verified a continuation copied from the context (``drafter.use_prompt_lookup``) instead of
+        the drafter's own path."""
+        return sum(self.copied)
 
     @property
     def tau(self) -> float:
@@ -98,6 +101,7 @@ class GenerationStats:
         out.update(
             tau=self.tau,
             num_cycles=self.num_cycles,
+            copied_cycles=self.copied_cycles,
             mean_draft_length=self.mean_draft_length,
             per_position_acceptance=self.per_position_acceptance(),
             other_seconds=self.other_seconds,
@@ -115,7 +119,7 @@ class GenerationStats:
             total.accepted_drafts += s.accepted_drafts
             total.draft_lengths += s.draft_lengths
             total.copied += s.copied
-            for name in ("new_tokens", "drafter_passes", "copied_cycles", "copies_without_drafting", "draft_seconds", "select_seconds", "verify_seconds", "prefill_seconds",
+            for name in ("new_tokens", "drafter_passes", "copies_without_drafting", "draft_seconds", "select_seconds", "verify_seconds", "prefill_seconds",
                          "total_seconds"):
                 setattr(total, name, getattr(total, name) + getattr(s, name))
             total.cost_curve = total.cost_curve or s.cost_curve
