@@ -113,7 +113,7 @@ def no_model_loads(monkeypatch):
     (["bench", "--drafter", "fresh", "--output-dir", "o", "--previous-drafter", "/no/such"], "no drafter folder at '/no/such'"),
     (["demo", "--datasets", "sharegpt,humanevl"], "--datasets: unknown data set(s) ['humanevl']"),
     (["prepare-data", "--output-dir", "o", "--batch-size", "0"], "argument --batch-size: must be >= 1; got 0"),
-    (["bench", "--drafter", "fresh", "--output-dir", "o", "--datasets", "missing.jsonl"], "unknown data set(s) ['missing.jsonl']"),
+    (["bench", "--drafter", "fresh", "--output-dir", "o", "--datasets", "missing.jsonl"], "no such file: missing.jsonl"),
 ])
 def test_options_checked_before_any_model_loads(no_model_loads, capsys, argv, problem):
     with pytest.raises(SystemExit) as done:

@@ -185,3 +185,61 @@ def test_device_values(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(ValueError, match="--device cuda:1: .* sees no CUDA GPU"):
         resolve_device("cuda:1")
+
+
+def test_adapter_folder_and_folder_without_weights_are_named(targets, tmp_path, capsys):
+    """A LoRA adapter folder given as a drafter, and a drafter folder whose weight file is missing, are refused with
+    what they are and the fix (in Python and on the command line, before any model loads)."""
+    from dflash2_hf import CheckpointError, DFlash2DraftModel
+    from dflash2_hf.cli import main
+
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text('{"peft_type": "LORA"}')
+    with pytest.raises(CheckpointError, match="LoRA adapter.*load_adapter"):
+        DFlash2DraftModel.from_pretrained(adapter)
+    no_weights = tmp_path / "no-weights"
+    make_drafter(targets["llama"]).save_pretrained(no_weights)
+    (no_weights / "model.safetensors").unlink()
+    with pytest.raises(CheckpointError, match="No weight file.*model.safetensors"):
+        DFlash2DraftModel.from_pretrained(no_weights)
+    for folder, message in ((adapter, "LoRA adapter"), (no_weights, "No weight file")):
+        with pytest.raises(SystemExit):  # argparse refuses it: the (missing) target is never reached
+            main(["generate", "--target", "no-such-target", "--drafter", str(folder), "--prompt", "hi"])
+        err = capsys.readouterr().err
+        assert "dflash2 generate: error: argument --drafter:" in err and message in err
+
+
+def test_unreachable_hub_id_fails_fast_in_python(monkeypatch):
+    """from_pretrained('org/name') with no Hub: one probe and a message naming the fix, not transformers' retries."""
+    import dflash2_hf.hub
+    from dflash2_hf import DFlash2DraftModel
+    from dflash2_hf.errors import HubUnreachableError
+
+    monkeypatch.setattr(dflash2_hf.hub, "hub_unreachable_reason", lambda *a: "no network (test)")
+    with pytest.raises(HubUnreachableError, match="someorg/some-drafter.*unreachable.*no network"):
+        DFlash2DraftModel.from_pretrained("someorg/some-drafter")
+
+
+def test_a_drafter_does_not_generate_on_its_own(targets):
+    from dflash2_hf import UnsupportedGenerationError
+
+    with pytest.raises(UnsupportedGenerationError, match="target.generate\\(input_ids, assistant_model=draft"):
+        make_drafter(targets["llama"]).generate(torch.tensor([[1, 2, 3]]))
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["generate", "--prompt", "hi", "--frobnicate"], "dflash2 generate: error: unrecognized arguments: --frobnicate"),
+    (["bench", "--methods", "plain,bogus"], "dflash2 bench: error: argument --methods: unknown method(s) ['bogus']"),
+    (["demo", "--datasets", "/tmp/no-such-file.jsonl"], "no such file: /tmp/no-such-file.jsonl"),
+    (["train", "--data", "x", "--output-dir", "o", "--num-threads", "0"], "--num-threads must be >= 1"),
+])
+def test_cli_option_mistakes_name_the_option(argv, message, capsys):
+    from dflash2_hf.cli import main
+
+    try:
+        code = main(argv)
+    except SystemExit as done:
+        code = done.code
+    assert code == 2
+    assert message in capsys.readouterr().err

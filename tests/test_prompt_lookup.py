@@ -8,7 +8,7 @@ import torch
 
 from conftest import make_drafter, make_target
 from dflash2_hf.generation import candidate_generator as cg
-from dflash2_hf.generation.prompt_lookup import ngram_continuation
+from dflash2_hf.generation.prompt_lookup import continuation, longest_recurring_suffix, ngram_continuation
 from test_generation_sampling import THRESHOLD, VOCAB, _empirical, _exact_marginals, _tv, sampling_models
 
 
@@ -37,6 +37,21 @@ def test_ngram_continuation_takes_the_most_recent_longest_match():
     assert ngram_continuation(torch.tensor([[1, 2, 3]]), 3, 4).numel() == 0  # nothing recurs
     assert ngram_continuation(ids, 3, 0).numel() == 0
     assert ngram_continuation(torch.tensor([[4]]), 3, 4).numel() == 0
+
+
+def test_longest_recurring_suffix_and_overlapping_continuation():
+    ids = torch.tensor([[4, 5, 6, 7, 1, 9, 5, 6, 7, 2, 4, 5, 6, 7]])
+    # (4, 5, 6, 7) recurs at 0..3 (followed by 1); the more recent (5, 6, 7) at 6..8 is a shorter match
+    assert longest_recurring_suffix(ids, 8, 1) == (4, 4)
+    assert longest_recurring_suffix(ids, 3, 1) == (3, 9)  # capped at 3 tokens: the most recent 3-gram wins
+    assert longest_recurring_suffix(ids, 8, 5) == (0, 0)  # no 5-gram recurs
+    assert longest_recurring_suffix(torch.tensor([[1, 2, 3]]), 8, 1) == (0, 0)
+    assert longest_recurring_suffix(torch.tensor([[3, 3]]), 8, 1) == (1, 1)
+    # a recent match repeats as in LZ77: the period-2 loop (8, 9) goes on
+    loop = torch.tensor([[1, 8, 9, 8, 9]])
+    n, start = longest_recurring_suffix(loop, 8, 1)
+    assert (n, start) == (2, 3) and continuation(loop, start, 5).tolist() == [8, 9, 8, 9, 8]
+    assert ngram_continuation(ids, 8, 3).tolist() == [1, 9, 5]
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])

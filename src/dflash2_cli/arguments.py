@@ -33,6 +33,15 @@ GENERATION_DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloa
                      "float16": "float16", "fp16": "float16"}
 
 
+def bench_methods(text: str) -> str:
+    """argparse type of ``dflash2 bench --methods``: a comma-separated subset of :data:`BENCH_METHODS`."""
+    names = [m.strip() for m in text.split(",") if m.strip()]
+    unknown = [m for m in names if m not in BENCH_METHODS]
+    if not names or unknown:
+        raise argparse.ArgumentTypeError(f"unknown method(s) {unknown or [text]}; choose from {','.join(BENCH_METHODS)}")
+    return text
+
+
 def default_bench_methods() -> str:
     """``dflash2 bench --methods``' default: every method that needs no second drafter."""
     return ",".join(m for m in BENCH_METHODS if m not in OWN_DRAFTER_METHODS)
@@ -43,8 +52,11 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", default="smollm2", help="target alias (smollm2, gemma3-270m) or path / Hub id")
     parser.add_argument("--drafter", default=DEFAULT_DRAFTER, type=drafter_spec,
                         help="drafter folder, Hub id or shipped drafter name, or 'fresh' for an untrained drafter "
-                             "sized for the target (tau ~1: no speedup)")
+                             "sized for the target (its drafts almost never accepted: a plumbing check)")
     parser.add_argument("--prompt", required=True, help="user message (rendered with the target's chat template)")
+    parser.add_argument("--adapter", default=None,
+                        help="a LoRA adapter folder for --drafter (dflash2 train --lora; the shipped one: "
+                             "dflash2-smollm2-135m-instruct-code-lora), merged into the drafter before drafting")
     parser.add_argument("--max-new-tokens", type=positive_int, default=128)
     parser.add_argument("--temperature", type=non_negative, default=0.0, help="0 = greedy")
     parser.add_argument("--top-p", type=top_p, default=None, help="nucleus sampling with --temperature > 0")
@@ -74,7 +86,7 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``dflash2 demo`` (run: :mod:`dflash2_hf.cli.demo`)."""
     parser.add_argument("--target", default="smollm2")
     parser.add_argument("--drafter", default=DEFAULT_DRAFTER, type=drafter_spec,
-                        help="folder, Hub id, shipped drafter name, or 'fresh' (untrained: tau ~1)")
+                        help="folder, Hub id, shipped drafter name, or 'fresh' (untrained: its drafts almost never accepted)")
     parser.add_argument("--num-prompts", type=positive_int, default=3, help="per data set")
     parser.add_argument("--max-new-tokens", type=positive_int, default=128)
     parser.add_argument("--datasets", default="sharegpt,humaneval", type=dataset_list)
@@ -133,7 +145,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=non_negative, default=0.0, help="0 = greedy (default); > 0 samples")
     parser.add_argument("--top-p", type=top_p, default=1.0, help="nucleus sampling (default 1.0 = off)")
     parser.add_argument("--top-k", type=non_negative_int, default=0, help="top-k sampling filter (default 0 = off)")
-    parser.add_argument("--methods", default=default_bench_methods(),
+    parser.add_argument("--methods", default=default_bench_methods(), type=bench_methods,
                         help=f"comma-separated subset of {','.join(BENCH_METHODS)} (plain is always run: it is the "
                              "reference of the speedup and of the identity check; --adapter adds dflash2_adapter, "
                              "--previous-drafter dflash2_previous)")

@@ -61,7 +61,9 @@ def top_p(text: str) -> float:
 
 def drafter_spec(text: str) -> str:
     """argparse type of ``--drafter``: ``fresh``, a folder, a shipped drafter's name or a Hub id; a missing path that
-    looks local (``./x``, ``runs/x/y``) or a shipped name whose folder is not here is refused before any model loads."""
+    looks local (``./x``, ``runs/x/y``), a shipped name whose folder is not here, and a folder that is no drafter (a
+    LoRA adapter, a target, no config.json or no weights: :func:`dflash2_hf.checkpoint.check_folder`) are refused
+    before any model loads."""
     import os
 
     from dflash2_hf.hub import is_local_path  # imports torch: only when a --drafter value is checked
@@ -76,6 +78,13 @@ def drafter_spec(text: str) -> str:
     if not os.path.exists(path) and is_local_path(path):
         raise argparse.ArgumentTypeError(f"no drafter folder at {text!r}: pass a folder, a Hub id (org/name), the "
                                          f"shipped {SHIPPED_DRAFTER!r}, or 'fresh'")
+    from dflash2_hf.checkpoint import check_folder
+    from dflash2_hf.errors import CheckpointError
+
+    try:  # an adapter, a target or an incomplete folder: refused before any model loads
+        check_folder(path, config_passed=False)
+    except CheckpointError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
     return text
 
 
@@ -85,6 +94,10 @@ def dataset_list(text: str) -> str:
 
     names = [name.strip() for name in text.split(",") if name.strip()]
     unknown = [name for name in names if name not in ("sharegpt", "humaneval") and not os.path.isfile(name)]
+    missing = [name for name in unknown if name.endswith((".jsonl", ".json")) or os.sep in name]
+    if missing:
+        raise argparse.ArgumentTypeError(f"no such file: {', '.join(missing)} (a data set is sharegpt, humaneval or "
+                                         "the path of an existing JSONL file)")
     if not names or unknown:
         raise argparse.ArgumentTypeError(f"unknown data set(s) {unknown or [text]}: use sharegpt, humaneval or paths "
                                          "of JSONL files, comma-separated")
@@ -193,6 +206,8 @@ class CommandParser(argparse.ArgumentParser):
         command = getattr(namespace, "command", None)
         if subparsers and command in subparsers[0].choices:  # the top level: the sub-command's drafter options
             sub = subparsers[0].choices[command]
+            if extras:  # answer a mistyped option at once, with the sub-command's usage, before the drafter check
+                sub.error(f"unrecognized arguments: {' '.join(extras)}")
             for action in sub._actions:  # noqa: SLF001 - argparse has no public list of a parser's actions
                 value = getattr(namespace, action.dest, None)
                 if action.type is drafter_spec and isinstance(value, str):

@@ -41,6 +41,7 @@ _LAZY = {
     "load_adapter": "lora",
     "save_adapter": "lora",
     "load_adapted_drafter": "bench",
+    "load_drafter": "loading",
     "quantize_drafter": "quantization",
     "load_target": "targets",
 }
@@ -78,6 +79,7 @@ __all__ = [
     "errors",
     "load_adapted_drafter",
     "load_adapter",
+    "load_drafter",
     "load_target",
     "optimize_for_cpu",
     "quantize_drafter",

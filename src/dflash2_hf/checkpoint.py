@@ -19,14 +19,18 @@ from .integrity import digest_mismatch
 logger = logging.get_logger(__name__)
 
 
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+
+
 def check_folder(path: str, config_passed: bool) -> None:
     """Refuses a drafter path before ``transformers`` reads it.
 
     Raises:
         FileNotFoundError: ``path`` looks local (not an ``org/name`` Hub id) and does not exist.
-        CheckpointError: a folder without ``config.json`` and no ``config=`` passed (``transformers`` would fall back
-            to a default config and then report every weight as mis-shaped), or one whose config is another kind of
-            model (a Llama target, say), before ``transformers`` prints its load report.
+        CheckpointError: a LoRA adapter folder (``adapter_config.json``) given as a drafter; a folder without
+            ``config.json`` and no ``config=`` passed (``transformers`` would fall back to a default config and then
+            report every weight as mis-shaped), or one whose config is another kind of model (a Llama target, say),
+            before ``transformers`` prints its load report; a drafter folder with no weight file.
     """
     from .hub import is_local_path
 
@@ -35,14 +39,28 @@ def check_folder(path: str, config_passed: bool) -> None:
             f"No drafter folder at {path!r}. Pass an existing folder or a Hub id (org/name), build an untrained "
             "one with DFlash2DraftModel.from_target(target) (CLI: --drafter fresh), or train one (dflash2 train)."
         )
+    if not os.path.isdir(path):
+        return
     config_file = os.path.join(path, "config.json")
-    if os.path.isdir(path) and not config_passed and os.path.isfile(config_file):
+    if not os.path.isfile(config_file) and os.path.isfile(os.path.join(path, "adapter_config.json")):
+        raise CheckpointError(
+            f"{path!r} is a LoRA adapter for a drafter (adapter_config.json), not a drafter: load its base drafter, "
+            "then the adapter: dflash2_hf.load_adapter(DFlash2DraftModel.from_pretrained(BASE), PATH), or "
+            "dflash2_hf.load_adapted_drafter(BASE, PATH, target) (merged, ready to draft); CLI: dflash2 bench "
+            "--drafter BASE --adapter PATH. BASE is the adapter's base_model_name_or_path in adapter_config.json."
+        )
+    if not config_passed and os.path.isfile(config_file):
         _refuse_other_model(path, config_file)
-    if os.path.isdir(path) and not config_passed and not os.path.isfile(os.path.join(path, "config.json")):
+    if not config_passed and not os.path.isfile(config_file):
         raise CheckpointError(
             f"No config.json in the drafter folder {path!r}: the weights cannot be read without the architecture "
             "they were saved with. Copy the config.json that came with these weights into the folder, pass "
             "config=DFlash2Config(...), or re-save the drafter with save_pretrained."
+        )
+    if not any(os.path.isfile(os.path.join(path, name)) for name in WEIGHT_FILES):
+        raise CheckpointError(
+            f"No weight file in the drafter folder {path!r} (looked for {', '.join(WEIGHT_FILES)}): copy the "
+            "drafter's model.safetensors into it, or save the drafter again with save_pretrained."
         )
 
 

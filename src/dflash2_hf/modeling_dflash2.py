@@ -132,6 +132,18 @@ class DFlash2DraftModel(DFlash2PreTrainedModel):
         self.post_init()
         self.generation_config = GenerationConfig(num_assistant_tokens=None, assistant_confidence_threshold=None)
 
+    def generate(self, *args, **kwargs):
+        """Not how a drafter is used: it drafts for its target inside the target's ``generate()``.
+
+        Raises:
+            UnsupportedGenerationError: always, naming the call to make instead.
+        """
+        raise UnsupportedGenerationError(
+            "A DFlash2 drafter does not generate text on its own: it drafts blocks for its target. Call the target: "
+            "target.generate(input_ids, assistant_model=draft, max_new_tokens=...) (or custom_generate="
+            "dflash2_hf.dflash2_generate, drafter=draft)."
+        )
+
     # transformers asks drafters for their embeddings in a few places; ours are the target's.
     def get_input_embeddings(self):
         return None
@@ -306,14 +318,7 @@ class DFlash2DraftModel(DFlash2PreTrainedModel):
             UnsupportedGenerationError: a stateful (recurrent) target (Mamba, RWKV, RecurrentGemma, Jamba, ...),
                 which assisted decoding cannot serve.
         """
-        dtype = check_from_target_arguments(target, dtype, overrides)
-        if getattr(target, "_is_stateful", False):
-            raise UnsupportedGenerationError(
-                f"{type(target).__name__} is a stateful (recurrent) model: stateful targets (Mamba, RWKV, "
-                "recurrent and hybrid ones) cannot be served by assisted decoding (transformers refuses assisted "
-                "generation for them: their state cannot be rolled back past rejected draft tokens). Use an "
-                "attention-based target."
-            )
+        dtype = check_from_target_arguments(target, dtype, overrides)  # also refuses stateful targets
         drafter = cls(DFlash2Config(**drafter_fields_for_target(target, overrides)))
         param = next(target.parameters())
         rotary = dict(drafter.rotary_emb.named_buffers())  # float32: a cast to bf16 would round them
@@ -378,9 +383,15 @@ class DFlash2DraftModel(DFlash2PreTrainedModel):
                 drafter``).
             FileNotFoundError: a missing local-looking path; :class:`ShippedDrafterNotFoundError` for a shipped name
                 when the repository's ``model_cards/`` is not on this machine.
+            HubUnreachableError: a Hub id that is not in the local Hub cache while the Hub cannot be reached (one
+                3-second probe; ``HF_HUB_OFFLINE=1`` counts as unreachable).
         """
         path = pretrained_model_name_or_path = resolve_name_or_path(pretrained_model_name_or_path)
         check_folder(path, config_passed=kwargs.get("config") is not None)
+        if not os.path.exists(path) and not kwargs.get("local_files_only"):
+            from .hub import check_hub_ids_reachable
+
+            check_hub_ids_reachable(path)  # one quick probe, not transformers' retry loop per file (~1 min offline)
         want_info = kwargs.pop("output_loading_info", False)
         kwargs["ignore_mismatched_sizes"] = True  # report mismatches by name below (refused whatever this says)
         try:

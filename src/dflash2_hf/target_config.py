@@ -14,7 +14,7 @@ from __future__ import annotations
 from transformers.activations import ACT2FN
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from .errors import DrafterArgumentTypeError, DrafterConfigError, TargetConfigError
+from .errors import DrafterArgumentTypeError, DrafterConfigError, TargetConfigError, UnsupportedGenerationError
 
 # dtype spellings ``from_target(..., dtype=...)`` accepts besides a torch.dtype.
 DTYPE_NAMES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
@@ -180,6 +180,7 @@ def check_from_target_arguments(target, dtype, overrides: dict):
         DrafterConfigError: an override that is not a DFlash2Config field (with the closest field name), or an
             unknown dtype name.
         TargetConfigError: a base model without an LM head (``LlamaModel`` instead of ``LlamaForCausalLM``).
+        UnsupportedGenerationError: a stateful (recurrent) target, which assisted decoding cannot serve.
     """
     import difflib
 
@@ -201,6 +202,13 @@ def check_from_target_arguments(target, dtype, overrides: dict):
     if not isinstance(target, PreTrainedModel):
         raise DrafterArgumentTypeError(
             f"from_target needs a transformers causal LM (a PreTrainedModel), got {type(target).__name__}."
+        )
+    if getattr(target, "_is_stateful", False):
+        raise UnsupportedGenerationError(
+            f"{type(target).__name__} is a stateful (recurrent) model: stateful targets (Mamba, RWKV, "
+            "recurrent and hybrid ones) cannot be served by assisted decoding (transformers refuses assisted "
+            "generation for them: their state cannot be rolled back past rejected draft tokens). Use an "
+            "attention-based target."
         )
     if target.get_output_embeddings() is None:
         raise TargetConfigError(

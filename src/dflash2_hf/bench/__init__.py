@@ -21,6 +21,7 @@ import os
 
 import torch
 
+from ..loading import load_drafter_weights
 from ..quantization import parameter_count, quantize_drafter
 from .fidelity import annotate_records, calibrate
 from .prompts import Prompt, load_bench_prompts
@@ -30,22 +31,10 @@ from .runner import METHOD_DESCRIPTIONS, METHODS, BenchSettings, RawRecord, gene
 
 
 def load_drafter(spec: str, target, dtype: torch.dtype | None = None, int8: bool = False, **fresh_overrides):
-    """``"fresh"``: an untrained drafter sized for ``target`` (:meth:`DFlash2DraftModel.from_target`, tau ~ 1,
-    for trying the harness); otherwise a local folder or a Hub id (:meth:`DFlash2DraftModel.from_pretrained`).
-
-    The drafter is put on the target's device, in ``dtype`` (default: the target's), in eval mode; ``int8=True``
-    loads it in float32 and quantizes it for drafting (:func:`dflash2_hf.quantization.quantize_drafter`).
-    """
-    from ..modeling_dflash2 import DFlash2DraftModel
-
-    param = next(target.parameters())
-    dtype = torch.float32 if int8 else dtype or param.dtype
-    if spec == "fresh":
-        drafter = DFlash2DraftModel.from_target(target, dtype=dtype, **fresh_overrides)
-    else:  # loaded in `dtype` rather than cast after: a cast would also round the float32 rotary frequencies
-        drafter = DFlash2DraftModel.from_pretrained(spec, dtype=dtype)
-    drafter = drafter.to(param.device).eval()
-    return quantize_drafter(drafter) if int8 else drafter
+    """The harness's loader, with an explicit ``dtype`` / ``int8`` (what ``dflash2 bench`` resolved from its
+    options): :func:`dflash2_hf.loading.load_drafter_weights`. Users: :func:`dflash2_hf.load_drafter` (picks the
+    precision, checks the target, prepacks CPU kernels)."""
+    return load_drafter_weights(spec, target, dtype=dtype, int8=int8, **fresh_overrides)
 
 
 def load_adapted_drafter(spec: str, adapter_path: str | os.PathLike, target, dtype: torch.dtype | None = None,

@@ -5,9 +5,9 @@ length chosen from the measured verification cost curve (``draft.generation_conf
 "cost"``; the curve and the choices are printed) side by side (interleaved, same prompts, same dtype, same
 ``max_new_tokens``) on ShareGPT development records [16000, 17000) and HumanEval, prints every generated text, whether
 greedy outputs were identical (a divergence: near-tie or bug), ``tau`` and the measured speedups; writes the full
-benchmark files too. The target's and the drafter's dtypes default to ``auto``: the fastest on this machine (bf16
-where the device computes it natively; else an fp32 target and an int8 drafter on x86 CPUs); the output names them
-and why.
+benchmark files too. The target's and the drafter's dtypes default to ``auto``: the fastest on this machine (the
+target in bf16 where the device computes it natively, else fp32; the drafter in int8 on x86 CPUs, else bf16 where
+native, else fp32); the output names them and why.
 """
 
 from __future__ import annotations

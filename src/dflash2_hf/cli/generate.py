@@ -8,6 +8,7 @@ Example:
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 import torch
@@ -19,18 +20,10 @@ from dflash2_cli.arguments import add_generate_arguments as add_arguments  # noq
 from . import apply_cpu_kernels, resolve_device, resolve_drafter_dtype, resolve_dtype, warn_unused_sampling_filters
 
 
-def load_drafter(spec: str, target, dtype=None, int8: bool = False):
-    """A drafter from a folder / Hub id, or ``'fresh'`` (untrained, sized for ``target``), checked against it
-    (``int8``: quantized for drafting, :func:`dflash2_hf.quantization.quantize_drafter`).
-
-    Raises:
-        DrafterTargetMismatchError: the drafter was built for another target.
-    """
-    from ..bench import load_drafter as load
-
-    drafter = load(spec, target, dtype=dtype, int8=int8)
-    drafter.check_target(target)
-    return drafter
+def drafting_precision_of(spec: str) -> str:
+    """The :func:`dflash2_hf.load_drafter` precision of a ``--drafter-dtype`` value (``auto``, ``int8``, ``bf16`` /
+    ``bfloat16``, ``fp32`` / ``float32``)."""
+    return {"bfloat16": "bf16", "float32": "fp32"}.get(spec, spec)
 
 
 def prompt_ids(tokenizer, text: str) -> torch.LongTensor:
@@ -44,12 +37,21 @@ def prompt_ids(tokenizer, text: str) -> torch.LongTensor:
 
 def load_target_and_drafter(args: argparse.Namespace):
     """``(target, tokenizer, drafter, dtype labels)`` from ``--target/--drafter/--dtype/--drafter-dtype/--device/
-    --num-threads/--cpu-kernels`` (the set-up ``generate`` and ``demo`` share); prints the resolved dtypes, device and
-    CPU kernels."""
+    --num-threads/--cpu-kernels`` and generate's ``--adapter`` (merged into the drafter) (the set-up ``generate`` and
+    ``demo`` share); prints the resolved dtypes, device and CPU kernels."""
     from ..hub import check_hub_ids_reachable
     from ..targets import load_target
 
-    check_hub_ids_reachable(args.drafter)  # a Hub id with no Hub: fail now, not after the target loads
+    adapter = getattr(args, "adapter", None)  # generate has --adapter, demo not
+    if adapter:
+        from ..hub import is_local_path
+        from ..shipped import resolve_name_or_path
+
+        path = resolve_name_or_path(adapter)
+        if not os.path.exists(path) and is_local_path(path):
+            raise FileNotFoundError(f"--adapter {adapter}: no such folder (a LoRA adapter folder written by dflash2 "
+                                    "train --lora, a Hub id, or the shipped dflash2-smollm2-135m-instruct-code-lora)")
+    check_hub_ids_reachable(args.drafter, adapter)  # a Hub id with no Hub: fail now, not after the target loads
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
     device = resolve_device(args.device)
@@ -57,7 +59,16 @@ def load_target_and_drafter(args: argparse.Namespace):
     drafter_dtype, int8, drafter_dtype_label = resolve_drafter_dtype(args.drafter_dtype, device)
     print(f"target dtype: {dtype_label}; drafter dtype: {drafter_dtype_label}; device: {device}")
     target, tokenizer = load_target(args.target, dtype=dtype, device=device)
-    drafter = load_drafter(args.drafter, target, dtype=drafter_dtype, int8=int8)
+    if adapter:
+        from ..bench import load_adapted_drafter
+
+        drafter = load_adapted_drafter(args.drafter, adapter, target, dtype=drafter_dtype, int8=int8)
+        drafter.check_target(target)
+    else:
+        from ..loading import load_drafter
+
+        drafter = load_drafter(args.drafter, target, precision=drafting_precision_of(args.drafter_dtype),
+                               cpu_kernels=args.cpu_kernels)
     if device.type == "cpu":
         print(f"cpu kernels: target: {apply_cpu_kernels(args.cpu_kernels, target)}; "
               f"drafter: {apply_cpu_kernels(args.cpu_kernels, drafter)}")

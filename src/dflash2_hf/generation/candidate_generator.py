@@ -226,9 +226,10 @@ class DFlash2CandidateGenerator:
     @torch.no_grad()
     def propose_copy(self, input_ids: torch.LongTensor, room: int) -> DraftProposal | None:
         """Copies from the context without a drafter pass where the sequence's last n-gram of at least
-        ``copy_min_ngram`` tokens recurs in it: the tokens that followed its most recent occurrence (at least 2, at
-        most ``min(copy_max_tokens, room)``), else None. Sampling: every copied token is a deterministic proposal
-        (``q = 1``), as in prompt lookup decoding, so rejection sampling stays exact."""
+        ``copy_min_ngram`` tokens recurs in it (the longest such n-gram, up to ``prompt_lookup_ngram``): the tokens
+        that followed its most recent occurrence (at least 2, at most ``min(copy_max_tokens, room)``), else None.
+        Sampling: every copied token is a deterministic proposal (``q = 1``), as in prompt lookup decoding, so
+        rejection sampling stays exact."""
         if not self.prompt_lookup_ngram or room < 2 or self.copy_min_ngram > self.prompt_lookup_ngram:
             return None
         with timed(self.stats, "select_seconds", self.device):

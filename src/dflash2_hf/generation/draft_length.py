@@ -122,7 +122,7 @@ def measure_cost_curve(target, max_tokens: int, hidden_layers: list[int] | None 
     from ..cpu_kernels import is_optimized
 
     kernels = ", prepacked CPU linears" if is_optimized(target) else ""
-    label = f"{type(target).__name__} {param.dtype} on {param.device}, {torch.get_num_threads()} threads{kernels}"
+    label = f"{type(target).__name__} {param.dtype} on {param.device}, {torch.get_num_threads()} thread{'s' if torch.get_num_threads() != 1 else ''}{kernels}"
     return CostCurve({n: statistics.median(v) for n, v in times.items()}, time.perf_counter() - start, label)
 
 

@@ -99,6 +99,8 @@ class DataArguments:
             raise ValueError("--follow-every needs --follow-data")
         if self.eval_only and not self.eval_data:
             raise ValueError("--eval-only needs --eval-data")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"--num-threads must be >= 1, got {self.num_threads} (leave it out for torch's default)")
 
 
 @dataclass
