@@ -53,3 +53,33 @@ def test_bad_arguments_and_another_targets_drafter_are_refused(saved):
     other = make_target("llama", hidden_size=96)
     with pytest.raises(DrafterTargetMismatchError, match="built for another target"):
         load_drafter(folder, other)
+
+
+def test_wrong_kinds_and_stray_keywords_are_refused_before_loading(saved):
+    from dflash2_hf import DrafterArgumentTypeError
+
+    target, folder = saved
+    for bad in ("smollm2", target.config, None, make_drafter(target)):
+        with pytest.raises(DrafterArgumentTypeError, match="target must be the loaded transformers causal LM"):
+            load_drafter(folder, bad)
+    with pytest.raises(DrafterArgumentTypeError, match="load_target\\('smollm2'\\)"):
+        load_drafter(folder, "smollm2")
+    with pytest.raises(DrafterArgumentTypeError, match="name_or_path must be a folder"):
+        load_drafter(None, target)
+    with pytest.raises(DrafterArgumentTypeError, match="Did you mean precision=\\?"):
+        load_drafter(folder, target, precison="fp32")
+    with pytest.raises(DrafterArgumentTypeError, match="precision="):
+        load_drafter(folder, target, dtype=torch.float32)
+    with pytest.raises(DrafterArgumentTypeError, match="'fresh' drafter only"):
+        load_drafter(folder, target, num_hidden_layers=3)
+
+
+def test_an_adapter_folder_names_its_base_and_forward_refuses_token_ids(saved, tmp_path):
+    from dflash2_hf import CheckpointError, DFlash2DraftModel
+
+    target, folder = saved
+    (tmp_path / "adapter_config.json").write_text('{"base_model_name_or_path": "org/base-drafter"}')
+    with pytest.raises(CheckpointError, match="load_adapted_drafter\\('org/base-drafter'.*--drafter org/base-drafter --adapter"):
+        DFlash2DraftModel.from_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="forward takes block embeddings .*assistant_model=draft"):
+        load_drafter(folder, target, precision="fp32")(torch.tensor([[1, 2, 3]]))

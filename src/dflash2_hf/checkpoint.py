@@ -42,12 +42,14 @@ def check_folder(path: str, config_passed: bool) -> None:
     if not os.path.isdir(path):
         return
     config_file = os.path.join(path, "config.json")
-    if not os.path.isfile(config_file) and os.path.isfile(os.path.join(path, "adapter_config.json")):
+    adapter_config = os.path.join(path, "adapter_config.json")
+    if not os.path.isfile(config_file) and os.path.isfile(adapter_config):
+        base = _adapter_base(adapter_config)
         raise CheckpointError(
-            f"{path!r} is a LoRA adapter for a drafter (adapter_config.json), not a drafter: load its base drafter, "
-            "then the adapter: dflash2_hf.load_adapter(DFlash2DraftModel.from_pretrained(BASE), PATH), or "
-            "dflash2_hf.load_adapted_drafter(BASE, PATH, target) (merged, ready to draft); CLI: dflash2 bench "
-            "--drafter BASE --adapter PATH. BASE is the adapter's base_model_name_or_path in adapter_config.json."
+            f"{path!r} is a LoRA adapter for a drafter (adapter_config.json), not a drafter: load its base drafter "
+            f"{base!r}, then the adapter: dflash2_hf.load_adapted_drafter({base!r}, {path!r}, target) (merged, ready "
+            f"to draft) or dflash2_hf.load_adapter(drafter, {path!r}); CLI: dflash2 generate (or bench) --drafter "
+            f"{base} --adapter {path}."
         )
     if not config_passed and os.path.isfile(config_file):
         _refuse_other_model(path, config_file)
@@ -62,6 +64,18 @@ def check_folder(path: str, config_passed: bool) -> None:
             f"No weight file in the drafter folder {path!r} (looked for {', '.join(WEIGHT_FILES)}): copy the "
             "drafter's model.safetensors into it, or save the drafter again with save_pretrained."
         )
+
+
+def _adapter_base(adapter_config: str) -> str:
+    """The base drafter an adapter folder names (``base_model_name_or_path``), or ``"BASE"`` where it names none."""
+    import json
+
+    try:
+        with open(adapter_config) as f:
+            base = json.load(f).get("base_model_name_or_path")
+    except (OSError, ValueError, AttributeError):
+        base = None
+    return base if isinstance(base, str) and base else "BASE"
 
 
 def _refuse_other_model(path: str, config_file: str) -> None:

@@ -61,6 +61,8 @@ def load_drafter(name_or_path: str | os.PathLike, target, precision: str = "auto
         ..."``) and logged at INFO.
 
     Raises:
+        DrafterArgumentTypeError: ``target`` is no loaded causal LM (a name, a config, a drafter), or keyword
+            arguments other than a ``"fresh"`` drafter's config fields (e.g. a misspelled ``precision``).
         ValueError: an unknown ``precision`` / ``cpu_kernels``, or ``"int8"`` where this device cannot run it (the
             reason).
         DrafterTargetMismatchError: the drafter was built for another target (sizes differ).
@@ -70,6 +72,7 @@ def load_drafter(name_or_path: str | os.PathLike, target, precision: str = "auto
     from .generation.precision import bf16_support, drafting_precision
     from .quantization import int8_support
 
+    _check_arguments(name_or_path, target, fresh_overrides)
     if precision not in PRECISIONS:
         raise ValueError(f"precision={precision!r} is not one of {', '.join(PRECISIONS)}")
     if cpu_kernels not in KERNELS:
@@ -92,6 +95,37 @@ def load_drafter(name_or_path: str | os.PathLike, target, precision: str = "auto
     drafter.dflash2_loading = f"{label}; {cpu_kernels_summary(drafter)}"
     logger.info("drafter %s: %s", os.fspath(name_or_path), drafter.dflash2_loading)
     return drafter
+
+
+def _check_arguments(name_or_path, target, fresh_overrides: dict) -> None:
+    """Refuses what :func:`load_drafter` cannot use, before anything loads: a target that is no loaded causal LM,
+    a name that is no path or string, and keyword arguments other than a fresh drafter's config fields."""
+    import difflib
+
+    from transformers import PreTrainedModel
+
+    from .errors import DrafterArgumentTypeError
+
+    if not isinstance(target, PreTrainedModel) or target.get_output_embeddings() is None:
+        kind = type(target).__name__
+        hint = (f" (load it first: dflash2_hf.load_target({target!r}) or AutoModelForCausalLM.from_pretrained(...))"
+                if isinstance(target, str) else "")
+        raise DrafterArgumentTypeError(
+            f"load_drafter(name_or_path, target): target must be the loaded transformers causal LM the drafter drafts "
+            f"for (a model with an LM head), got {kind}{hint}.")
+    if not isinstance(name_or_path, (str, os.PathLike)):
+        raise DrafterArgumentTypeError(
+            f"load_drafter(name_or_path, target): name_or_path must be a folder, a Hub id, a shipped drafter's name "
+            f"or 'fresh', got {type(name_or_path).__name__}.")
+    if fresh_overrides and name_or_path != "fresh":
+        names = sorted(fresh_overrides)
+        close = difflib.get_close_matches(names[0], ["precision", "cpu_kernels"], n=1)
+        hint = f" Did you mean {close[0]}=?" if close else (
+            " The drafting dtype is precision= ('int8', 'bf16', 'fp32'); the device is the target's."
+            if {"dtype", "torch_dtype", "device", "device_map"} & set(names) else "")
+        raise DrafterArgumentTypeError(
+            f"load_drafter: unexpected keyword argument(s) {names} for {os.fspath(name_or_path)!r}: extra keywords "
+            f"set the config of a 'fresh' drafter only.{hint}")
 
 
 __all__ = ["PRECISIONS", "load_drafter", "load_drafter_weights"]

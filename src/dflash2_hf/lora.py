@@ -174,7 +174,7 @@ def save_adapter(model: PeftModel, save_directory: str | os.PathLike, dtype: tor
     state = None
     if dtype is not None:
         state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in model.state_dict().items()}
-    model.save_pretrained(save_directory, state_dict=state)
+    model.save_pretrained(save_directory, state_dict=state, save_embedding_layers=False)  # a drafter embeds with its target
     write_fingerprint(model, save_directory)
 
 
@@ -342,7 +342,7 @@ def _check_loaded_adapter(model: PeftModel, source: str, folder: Path | None) ->
     """
     from peft import get_peft_model_state_dict
 
-    loaded = get_peft_model_state_dict(model)
+    loaded = get_peft_model_state_dict(model, save_embedding_layers=False)  # "auto" looks the base up (Hub)
     bad = non_finite(loaded.items())
     if bad:
         raise CheckpointError(

@@ -35,6 +35,7 @@ from transformers.utils import ModelOutput
 from .checkpoint import check_folder, check_loaded, unreadable_weights_error
 from .configuration_dflash2 import DFlash2Config
 from .errors import CheckpointError, DrafterTargetMismatchError, UnsupportedGenerationError
+from .hub import check_hub_ids_reachable
 from .integrity import weights_digest
 from .masking import AttentionMasks, drafter_cache, layer_attention
 from .modeling_layers import CandidateSelector, DFlash2DecoderLayer, GroupedDynamicCausalConv  # noqa: F401
@@ -133,11 +134,7 @@ class DFlash2DraftModel(DFlash2PreTrainedModel):
         self.generation_config = GenerationConfig(num_assistant_tokens=None, assistant_confidence_threshold=None)
 
     def generate(self, *args, **kwargs):
-        """Not how a drafter is used: it drafts for its target inside the target's ``generate()``.
-
-        Raises:
-            UnsupportedGenerationError: always, naming the call to make instead.
-        """
+        """Raises :class:`UnsupportedGenerationError`, naming the call to make: a drafter drafts inside its target's ``generate()``."""
         raise UnsupportedGenerationError(
             "A DFlash2 drafter does not generate text on its own: it drafts blocks for its target. Call the target: "
             "target.generate(input_ids, assistant_model=draft, max_new_tokens=...) (or custom_generate="
@@ -185,12 +182,19 @@ class DFlash2DraftModel(DFlash2PreTrainedModel):
             ``noise_embeds``' dtype (the drafter itself may run in a lower precision).
 
         Raises:
-            ValueError: ``Q`` is not a multiple of ``block_size`` while the convolution is on, or the feature width
-                does not match ``len(target_layer_ids) * target_hidden_size``.
+            ValueError: ``noise_embeds`` is not a 3-D float tensor (e.g. token ids), ``Q`` is not a multiple of
+                ``block_size`` while the convolution is on, or the feature width does not match
+                ``len(target_layer_ids) * target_hidden_size``.
         """
         cache = cache if cache is not None else past_key_values
         if use_cache and cache is None:
             cache = drafter_cache(self.config)
+        if noise_embeds.dim() != 3 or not noise_embeds.is_floating_point():
+            raise ValueError(
+                f"forward takes block embeddings (batch, Q, hidden) in floating point, got a {noise_embeds.dtype} tensor "
+                f"of shape {tuple(noise_embeds.shape)}: a drafter drafts inside its target's generate(), "
+                "target.generate(input_ids, assistant_model=draft); embed_block(ids, embedding_weight) makes the input."
+            )
         b, q_len, _ = noise_embeds.shape
         if self.config.use_local_conv and q_len % self.config.block_size:
             raise ValueError(f"The block length {q_len} is not a multiple of block_size={self.config.block_size}.")
@@ -388,10 +392,8 @@ class DFlash2DraftModel(DFlash2PreTrainedModel):
         """
         path = pretrained_model_name_or_path = resolve_name_or_path(pretrained_model_name_or_path)
         check_folder(path, config_passed=kwargs.get("config") is not None)
-        if not os.path.exists(path) and not kwargs.get("local_files_only"):
-            from .hub import check_hub_ids_reachable
-
-            check_hub_ids_reachable(path)  # one quick probe, not transformers' retry loop per file (~1 min offline)
+        if not os.path.exists(path) and not kwargs.get("local_files_only"):  # one quick probe, not a minute of retries
+            check_hub_ids_reachable(path)
         want_info = kwargs.pop("output_loading_info", False)
         kwargs["ignore_mismatched_sizes"] = True  # report mismatches by name below (refused whatever this says)
         try:
