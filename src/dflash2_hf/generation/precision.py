@@ -119,7 +119,8 @@ def warn_if_emulated_bf16(drafter) -> None:
         logger.warning_once(
             "The drafter is bfloat16 but this CPU has no bf16 instructions (AVX512-BF16/AMX): drafting costs more than "
             "in float32 here (2.4x on one thread of an AVX2 CPU; the output is the same either way). Load it with "
-            "DFlash2DraftModel.from_pretrained(..., dtype=torch.float32) or call draft.float(); on the dflash2 "
+            "dflash2_hf.load_drafter(name, target) (it picks the cheapest precision), or DFlash2DraftModel."
+            "from_pretrained(..., dtype=torch.float32), or call draft.float(); on the dflash2 "
             "command line pass --drafter-dtype auto or fp32."
         )
 
