@@ -243,3 +243,15 @@ def test_cli_option_mistakes_name_the_option(argv, message, capsys):
         code = done.code
     assert code == 2
     assert message in capsys.readouterr().err
+
+
+def test_generate_adapter_that_is_no_adapter_is_refused_before_the_target_loads(capsys, monkeypatch, tmp_path):
+    import dflash2_hf.targets
+    from dflash2_hf.cli import main
+    from dflash2_hf.shipped import shipped_drafter_path
+
+    monkeypatch.setattr(dflash2_hf.targets, "load_target", lambda *a, **k: pytest.fail("the target was loaded"))
+    assert main(["generate", "--prompt", "hi", "--adapter", str(tmp_path / "missing")]) == 2
+    assert "adapter folder" in capsys.readouterr().err
+    assert main(["generate", "--prompt", "hi", "--adapter", shipped_drafter_path()]) == 2  # a drafter, not an adapter
+    assert "is not a LoRA adapter folder: adapter_config.json is missing" in capsys.readouterr().err

@@ -8,7 +8,6 @@ Example:
 from __future__ import annotations
 
 import argparse
-import os
 import time
 
 import torch
@@ -43,14 +42,14 @@ def load_target_and_drafter(args: argparse.Namespace):
     from ..targets import load_target
 
     adapter = getattr(args, "adapter", None)  # generate has --adapter, demo not
-    if adapter:
+    if adapter:  # a missing, incomplete or non-adapter folder (a drafter, say): refused before any model loads
         from ..hub import is_local_path
+        from ..lora import check_adapter_folder
         from ..shipped import resolve_name_or_path
 
         path = resolve_name_or_path(adapter)
-        if not os.path.exists(path) and is_local_path(path):
-            raise FileNotFoundError(f"--adapter {adapter}: no such folder (a LoRA adapter folder written by dflash2 "
-                                    "train --lora, a Hub id, or the shipped dflash2-smollm2-135m-instruct-code-lora)")
+        if is_local_path(path):
+            check_adapter_folder(path)
     check_hub_ids_reachable(args.drafter, adapter)  # a Hub id with no Hub: fail now, not after the target loads
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
