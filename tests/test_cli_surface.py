@@ -114,6 +114,11 @@ def no_model_loads(monkeypatch):
     (["demo", "--datasets", "sharegpt,humanevl"], "--datasets: unknown data set(s) ['humanevl']"),
     (["prepare-data", "--output-dir", "o", "--batch-size", "0"], "argument --batch-size: must be >= 1; got 0"),
     (["bench", "--drafter", "fresh", "--output-dir", "o", "--datasets", "missing.jsonl"], "no such file: missing.jsonl"),
+    (["generate", "--prompt", "x", "--target", "smollm"], "--target: unknown target 'smollm': not a bundled alias "
+     "(gemma3-270m, smollm2), no folder there, not a Hub id (org/name); did you mean 'smollm2'?"),
+    (["bench", "--drafter", "fresh", "--output-dir", "o", "--target", "./no-such-target"], "unknown target './no-such"),
+    (["prepare-data", "--output-dir", "o", "--target", "a/b/c"], "--target: unknown target 'a/b/c'"),
+    (["generate", "--prompt", "x", "--adapter", "/no/such/adapter"], "--adapter: no adapter folder at '/no/such/adapter'"),
 ])
 def test_options_checked_before_any_model_loads(no_model_loads, capsys, argv, problem):
     with pytest.raises(SystemExit) as done:
@@ -132,6 +137,18 @@ def test_good_values_parse(tmp_path, monkeypatch):
                                                                      "humaneval,mine.jsonl", 1.0, 0)
     assert build_parser("demo").parse_args(["demo"]).drafter == "dflash2-smollm2-135m-instruct"
     assert build_parser("generate").parse_args(["generate", "--prompt", "x", "--drafter", "org/name"]).drafter == "org/name"
+    generate = build_parser("generate").parse_args(["generate", "--prompt", "x", "--target", "org/model", "--adapter",
+                                                    "dflash2-smollm2-135m-instruct-code-lora"])
+    assert (generate.target, generate.adapter) == ("org/model", "dflash2-smollm2-135m-instruct-code-lora")
+    assert build_parser("demo").parse_args(["demo", "--target", str(tmp_path)]).target == str(tmp_path)
+
+
+def test_the_parsers_target_aliases_are_the_bundled_targets():
+    """The torch-free ``--target`` check knows the same aliases as :func:`dflash2_hf.load_target`."""
+    from dflash2_cli.options import TARGET_ALIASES
+    from dflash2_hf.targets import TARGETS
+
+    assert TARGET_ALIASES == tuple(sorted(TARGETS))
 
 
 @pytest.mark.parametrize("command", [["demo"], ["generate", "--prompt", "x"],

@@ -44,6 +44,32 @@ def test_explicit_precision_and_stock_kernels(saved):
     assert fresh.config.num_hidden_layers == 1
 
 
+def test_the_cli_and_load_drafter_resolve_precision_the_same_way(saved, monkeypatch):
+    """One rule for ``--drafter-dtype`` and ``precision=``: the same dtype, int8 choice and label, aliases included;
+    an emulated bf16 keeps the user's choice and says so; int8 where it cannot run names the reason and the fix."""
+    from dflash2_hf.cli import resolve_drafter_dtype
+    from dflash2_hf.generation.precision import resolve_drafting_precision
+
+    target, folder = saved
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False, raising=False)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False, raising=False)
+    for spec in ("auto", "int8", "bf16", "bfloat16", "fp32", "float32"):
+        precision, label = resolve_drafting_precision(spec, "cpu")
+        dtype, int8, cli_label = resolve_drafter_dtype(spec, "cpu")
+        assert cli_label == label and int8 == (precision == "int8")
+        assert dtype == (torch.bfloat16 if precision == "bf16" else torch.float32)
+    assert resolve_drafting_precision("bfloat16", "cpu") == (
+        "bf16", "bf16 (explicit; no native bf16 on this CPU: emulated, slower than fp32)")
+    draft = load_drafter(folder, target, precision="float32", cpu_kernels="stock")
+    assert next(draft.parameters()).dtype == torch.float32 and draft.dflash2_loading.startswith("fp32; ")
+    with pytest.raises(ValueError, match="int8 drafting runs on the CPU only.*; use fp32 or bf16"):
+        resolve_drafting_precision("int8", "meta")
+    with pytest.raises(ValueError, match="--drafter-dtype int8: int8 drafting runs on the CPU only"):
+        resolve_drafter_dtype("int8", "meta")
+    with pytest.raises(ValueError, match="unknown drafting precision 'fp16'"):
+        resolve_drafting_precision("fp16", "cpu")
+
+
 def test_bad_arguments_and_another_targets_drafter_are_refused(saved):
     target, folder = saved
     with pytest.raises(ValueError, match="precision='fp16' is not one of auto, int8, bf16, fp32"):

@@ -9,6 +9,7 @@ import argparse
 
 from .options import (
     DRAFTER_DTYPES,
+    adapter_spec,
     add_cpu_kernels_argument,
     add_device_argument,
     add_drafter_dtype_argument,
@@ -20,6 +21,7 @@ from .options import (
     non_negative_int,
     positive_int,
     probability,
+    target_spec,
     top_p,
 )
 
@@ -49,12 +51,12 @@ def default_bench_methods() -> str:
 
 def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``dflash2 generate`` (run: :mod:`dflash2_hf.cli.generate`)."""
-    parser.add_argument("--target", default="smollm2", help="target alias (smollm2, gemma3-270m) or path / Hub id")
+    parser.add_argument("--target", default="smollm2", type=target_spec, help="target alias (smollm2, gemma3-270m) or path / Hub id")
     parser.add_argument("--drafter", default=DEFAULT_DRAFTER, type=drafter_spec,
                         help="drafter folder, Hub id or shipped drafter name, or 'fresh' for an untrained drafter "
                              "sized for the target (its drafts almost never accepted: a plumbing check)")
     parser.add_argument("--prompt", required=True, help="user message (rendered with the target's chat template)")
-    parser.add_argument("--adapter", default=None,
+    parser.add_argument("--adapter", default=None, type=adapter_spec,
                         help="a LoRA adapter folder for --drafter (dflash2 train --lora; the shipped one: "
                              "dflash2-smollm2-135m-instruct-code-lora), merged into the drafter before drafting")
     parser.add_argument("--max-new-tokens", type=positive_int, default=128)
@@ -84,7 +86,7 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``dflash2 demo`` (run: :mod:`dflash2_hf.cli.demo`)."""
-    parser.add_argument("--target", default="smollm2")
+    parser.add_argument("--target", default="smollm2", type=target_spec)
     parser.add_argument("--drafter", default=DEFAULT_DRAFTER, type=drafter_spec,
                         help="folder, Hub id, shipped drafter name, or 'fresh' (untrained: its drafts almost never accepted)")
     parser.add_argument("--num-prompts", type=positive_int, default=3, help="per data set")
@@ -106,12 +108,12 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``dflash2 bench`` (run: :mod:`dflash2_hf.cli.bench`)."""
-    parser.add_argument("--target", default="smollm2",
+    parser.add_argument("--target", default="smollm2", type=target_spec,
                         help="target alias (smollm2, gemma3-270m) or a local transformers folder (default: smollm2)")
     parser.add_argument("--drafter", required=True, type=drafter_spec,
                         help="drafter folder or Hub id, or 'fresh' for an untrained drafter built for the target "
-                             "(tau ~ 1: only for trying the harness)")
-    parser.add_argument("--adapter", default=None,
+                             "(its drafts almost never accepted: only for trying the harness)")
+    parser.add_argument("--adapter", default=None, type=adapter_spec,
                         help="a LoRA adapter folder for --drafter (dflash2 train --lora): adds the method "
                              "dflash2_adapter (drafter + adapter, merged) next to the others, measured in the same run")
     parser.add_argument("--previous-drafter", default=None, metavar="DRAFTER", type=drafter_spec,
@@ -168,7 +170,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_prepare_data_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``dflash2 prepare-data`` (run: :mod:`dflash2_hf.cli.prepare_data`)."""
-    parser.add_argument("--target", default="smollm2",
+    parser.add_argument("--target", default="smollm2", type=target_spec,
                         help="target alias (smollm2, gemma3-270m) or a local transformers folder (default: smollm2)")
     parser.add_argument("--output-dir", required=True,
                         help="the dataset folder (continued if it already holds data of the same settings)")

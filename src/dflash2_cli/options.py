@@ -59,6 +59,44 @@ def top_p(text: str) -> float:
     return _number(text, lambda v: 0 < v <= 1, "in (0, 1] (1 = off)")
 
 
+TARGET_ALIASES = ("gemma3-270m", "smollm2")  # the names of dflash2_hf.targets.TARGETS (a test keeps them equal)
+
+
+def _looks_local(text: str) -> bool:
+    """Whether ``text`` can only mean a local path (not a Hub id ``org/name``): it starts with ``.``, ``/`` or ``~``,
+    has no ``/`` or more than one, or its first component is a folder here (``runs/x``)."""
+    import os
+
+    return text.startswith((".", "/", "~")) or text.count("/") != 1 or os.path.isdir(text.split("/")[0])
+
+
+def target_spec(text: str) -> str:
+    """argparse type of ``--target``: a bundled alias (:data:`TARGET_ALIASES`), a folder, or a Hub id (``org/name``);
+    anything else (a misspelt alias, a missing folder) is refused while parsing, before the ~7 s of imports."""
+    import difflib
+    import os
+
+    if text in TARGET_ALIASES or os.path.isdir(text) or not _looks_local(text):
+        return text
+    close = difflib.get_close_matches(text, TARGET_ALIASES, n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    raise argparse.ArgumentTypeError(
+        f"unknown target {text!r}: not a bundled alias ({', '.join(TARGET_ALIASES)}), no folder there, not a Hub id "
+        f"(org/name){hint}")
+
+
+def adapter_spec(text: str) -> str:
+    """argparse type of ``--adapter``: a missing local folder is refused while parsing; the folder's contents are
+    checked before any model loads (:func:`dflash2_hf.lora.check_adapter_folder`)."""
+    import os
+
+    if not os.path.exists(text) and _looks_local(text) and text != os.path.basename(text):
+        raise argparse.ArgumentTypeError(
+            f"no adapter folder at {text!r}: pass a `dflash2 train --lora` output folder, the shipped adapter's name "
+            "or a Hub id")
+    return text
+
+
 def drafter_spec(text: str) -> str:
     """argparse type of ``--drafter``: ``fresh``, a folder, a shipped drafter's name or a Hub id; a missing path that
     looks local (``./x``, ``runs/x/y``), a shipped name whose folder is not here, and a folder that is no drafter (a

@@ -69,24 +69,18 @@ def load_drafter(name_or_path: str | os.PathLike, target, precision: str = "auto
         FileNotFoundError, CheckpointError, HubUnreachableError: from :meth:`DFlash2DraftModel.from_pretrained`.
     """
     from .cpu_kernels import KERNELS, cpu_kernels_summary, optimize_for_cpu
-    from .generation.precision import bf16_support, drafting_precision
-    from .quantization import int8_support
+    from .generation.precision import PRECISION_ALIASES, resolve_drafting_precision
 
     _check_arguments(name_or_path, target, fresh_overrides)
-    if precision not in PRECISIONS:
+    if PRECISION_ALIASES.get(precision, precision) not in PRECISIONS:
         raise ValueError(f"precision={precision!r} is not one of {', '.join(PRECISIONS)}")
     if cpu_kernels not in KERNELS:
         raise ValueError(f"cpu_kernels={cpu_kernels!r} is not one of {', '.join(KERNELS)}")
     device = next(target.parameters()).device
-    if precision == "auto":
-        precision, reason = drafting_precision(device)
-        label = f"{precision} (auto: {reason})"
-    else:
-        label = precision
-        if precision == "int8" and not int8_support(device)[0]:
-            raise ValueError(f"precision='int8': {int8_support(device)[1]}; use 'fp32' or 'bf16'")
-        if precision == "bf16" and not bf16_support(device)[0]:
-            label = f"bf16 ({bf16_support(device)[1]}: emulated, slower than fp32)"
+    try:
+        precision, label = resolve_drafting_precision(precision, device)
+    except ValueError as err:  # int8 where the device has no int8 kernels
+        raise ValueError(f"precision={precision!r}: {err}") from None
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}.get(precision)
     drafter = load_drafter_weights(name_or_path, target, dtype=dtype, int8=precision == "int8", **fresh_overrides)
     drafter.check_target(target)

@@ -89,30 +89,23 @@ def resolve_dtype(spec: str, device) -> tuple[object, str]:
 
 def resolve_drafter_dtype(spec: str, device) -> tuple[object, bool, str]:
     """``(torch dtype, int8, label)`` of a ``--drafter-dtype`` value on ``device``: ``int8`` = load in float32, then
-    :func:`dflash2_hf.quantization.quantize_drafter`.
-
-    ``auto``: :func:`dflash2_hf.generation.precision.drafting_precision` (int8 on x86 CPUs, bf16 where the device
-    computes it natively, else fp32); the label says which and why. Other values as :func:`resolve_dtype`.
+    :func:`dflash2_hf.quantization.quantize_drafter`. The rule and the labels are
+    :func:`dflash2_hf.generation.precision.resolve_drafting_precision`'s (the same as :func:`dflash2_hf.load_drafter`).
 
     Raises:
         ValueError: ``spec`` is not one of :data:`DRAFTER_DTYPES`, or ``int8`` where it cannot run (the reason).
     """
     import torch
 
-    from ..generation.precision import drafting_precision
-    from ..quantization import int8_support
+    from ..generation.precision import resolve_drafting_precision
 
-    if spec == "int8":
-        supported, reason = int8_support(device)
-        if not supported:
-            raise ValueError(f"--drafter-dtype int8: {reason}; use fp32 or bf16")
-        return torch.float32, True, "int8"
-    if spec != "auto":
-        dtype, label = resolve_dtype(spec, device)
-        return dtype, False, label
-    precision, reason = drafting_precision(device)
-    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
-    return dtype, precision == "int8", f"{precision} (auto: {reason})"
+    if spec not in DRAFTER_DTYPES:
+        raise ValueError(f"unknown --drafter-dtype {spec!r}; choose from {', '.join(DRAFTER_DTYPES)}")
+    try:
+        precision, label = resolve_drafting_precision(spec, device)
+    except ValueError as err:
+        raise ValueError(f"--drafter-dtype {spec}: {err}") from None
+    return (torch.bfloat16 if precision == "bf16" else torch.float32), precision == "int8", label
 
 
 def main(argv: list[str] | None = None) -> int:

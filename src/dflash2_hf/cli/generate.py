@@ -19,12 +19,6 @@ from dflash2_cli.arguments import add_generate_arguments as add_arguments  # noq
 from . import apply_cpu_kernels, resolve_device, resolve_drafter_dtype, resolve_dtype, warn_unused_sampling_filters
 
 
-def drafting_precision_of(spec: str) -> str:
-    """The :func:`dflash2_hf.load_drafter` precision of a ``--drafter-dtype`` value (``auto``, ``int8``, ``bf16`` /
-    ``bfloat16``, ``fp32`` / ``float32``)."""
-    return {"bfloat16": "bf16", "float32": "fp32"}.get(spec, spec)
-
-
 def prompt_ids(tokenizer, text: str) -> torch.LongTensor:
     """``(1, T)`` ids of a single user turn rendered with the chat template (raw text if there is none)."""
     if tokenizer.chat_template:
@@ -66,11 +60,12 @@ def load_target_and_drafter(args: argparse.Namespace):
     else:
         from ..loading import load_drafter
 
-        drafter = load_drafter(args.drafter, target, precision=drafting_precision_of(args.drafter_dtype),
-                               cpu_kernels=args.cpu_kernels)
-    if device.type == "cpu":
-        print(f"cpu kernels: target: {apply_cpu_kernels(args.cpu_kernels, target)}; "
-              f"drafter: {apply_cpu_kernels(args.cpu_kernels, drafter)}")
+        drafter = load_drafter(args.drafter, target, precision=args.drafter_dtype, cpu_kernels=args.cpu_kernels)
+    if device.type == "cpu":  # load_drafter chose the drafter's kernels already; the adapted drafter's are set here
+        from ..cpu_kernels import cpu_kernels_summary
+
+        drafter_kernels = apply_cpu_kernels(args.cpu_kernels, drafter) if adapter else cpu_kernels_summary(drafter)
+        print(f"cpu kernels: target: {apply_cpu_kernels(args.cpu_kernels, target)}; drafter: {drafter_kernels}")
     return target, tokenizer, drafter, (dtype_label, drafter_dtype_label)
 
 

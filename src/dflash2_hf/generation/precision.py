@@ -94,6 +94,40 @@ def drafting_precision(device: torch.device | str) -> tuple[str, str]:
     return ("bf16" if native else "fp32"), f"{reason}; {int8_reason}"
 
 
+PRECISION_ALIASES = {"bfloat16": "bf16", "float32": "fp32"}
+
+
+def resolve_drafting_precision(precision: str, device: torch.device | str) -> tuple[str, str]:
+    """What a requested drafting precision means on ``device``: ``("int8" | "bf16" | "fp32", label for reports)``.
+
+    The one rule behind :func:`dflash2_hf.load_drafter`'s ``precision=`` and the CLI's ``--drafter-dtype``.
+    ``precision``: ``"auto"`` (:func:`drafting_precision`, labelled with its reason, e.g. ``"int8 (auto: x86 int8 on
+    this CPU)"``), ``"int8"``, ``"bf16"`` / ``"bfloat16"`` (kept where emulated, labelled ``"bf16 (explicit; no native
+    bf16 on this CPU: emulated, slower than fp32)"``) or ``"fp32"`` / ``"float32"``.
+
+    Raises:
+        ValueError: an unknown ``precision``, or ``"int8"`` where this device has no int8 kernels (the reason and the
+            choices that work).
+    """
+    from ..quantization import int8_support
+
+    choice = PRECISION_ALIASES.get(precision, precision)
+    if choice == "auto":
+        resolved, reason = drafting_precision(device)
+        return resolved, f"{resolved} (auto: {reason})"
+    if choice == "int8":
+        supported, reason = int8_support(device)
+        if not supported:
+            raise ValueError(f"{reason}; use fp32 or bf16")
+        return "int8", "int8"
+    if choice == "bf16":
+        native, reason = bf16_support(device)
+        return "bf16", "bf16" if native else f"bf16 (explicit; {reason}: emulated, slower than fp32)"
+    if choice == "fp32":
+        return "fp32", "fp32"
+    raise ValueError(f"unknown drafting precision {precision!r}; choose from auto, int8, bf16, fp32")
+
+
 def target_dtype(device: torch.device | str) -> torch.dtype:
     """The faster target dtype on ``device``: ``torch.bfloat16`` where :func:`has_native_bf16`, else
     ``torch.float32`` (the same rule as :func:`drafting_dtype`; ``--dtype auto`` of the CLI).
@@ -125,5 +159,5 @@ def warn_if_emulated_bf16(drafter) -> None:
         )
 
 
-__all__ = ["auto_dtype_label", "bf16_support", "drafting_dtype", "drafting_precision", "has_native_bf16", "target_dtype",
-           "warn_if_emulated_bf16"]
+__all__ = ["PRECISION_ALIASES", "auto_dtype_label", "bf16_support", "drafting_dtype", "drafting_precision", "has_native_bf16",
+           "resolve_drafting_precision", "target_dtype", "warn_if_emulated_bf16"]
