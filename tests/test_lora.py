@@ -353,3 +353,105 @@ def test_ship_adapter_provenance_follows_lora_init_through_a_shipped_adapter(tmp
                       {"lora_init": str(tmp_path / "nothing")})
     with pytest.raises(FileNotFoundError, match="records how it was made in none of"):
         provenance(bare)
+
+
+def test_load_adapter_refuses_what_is_no_drafter_before_touching_it(targets, tmp_path):
+    """A target, a drafter's name, or swapped arguments: a typed error naming what was given and load_drafter."""
+    from dflash2_hf import DrafterArgumentTypeError
+
+    drafter = make_drafter(targets["llama"])
+    save_adapter(add_lora(make_drafter(targets["llama"])), tmp_path / "adapter")
+    with pytest.raises(DrafterArgumentTypeError, match=r"got a LlamaForCausalLM \(a transformers model: the target\?\)"
+                       r".*load_drafter\(name, target, precision=\"fp32\"\)"):
+        load_adapter(targets["llama"], tmp_path / "adapter")
+    with pytest.raises(DrafterArgumentTypeError, match=r"the name or path 'dflash2-smollm2-135m-instruct', not a "
+                       r"loaded model.*load_drafter\('dflash2-smollm2-135m-instruct', target, precision=\"fp32\"\)"):
+        load_adapter("dflash2-smollm2-135m-instruct", tmp_path / "adapter")
+    with pytest.raises(DrafterArgumentTypeError, match=r"adapter_path must be .*got a DFlash2DraftModel \(a "
+                       r"drafter\) \(arguments swapped\? the drafter comes first\)"):
+        load_adapter(tmp_path / "adapter", drafter)
+    assert not any("lora_" in n for n, _ in drafter.named_parameters())  # untouched: it still takes the adapter
+    assert load_adapter(drafter, tmp_path / "adapter") is not None
+
+
+def test_add_lora_takes_a_drafter_only(targets):
+    from dflash2_hf import DrafterArgumentTypeError
+
+    with pytest.raises(DrafterArgumentTypeError, match=r"add_lora\(drafter\): .*got the name or path 'name'.*"
+                       r"load_drafter\('name', target"):
+        add_lora("name")
+    with pytest.raises(DrafterArgumentTypeError, match=r"got a LlamaForCausalLM .*peft.get_peft_model"):
+        add_lora(targets["llama"])
+    assert not any("lora_" in n for n, _ in targets["llama"].named_modules())
+    with pytest.raises(DrafterArgumentTypeError, match="already carries a LoRA adapter.*merge_and_unload"):
+        add_lora(add_lora(make_drafter(targets["llama"])))
+    with pytest.raises(DrafterArgumentTypeError, match=r"extract_adapter.*finetuned.*got a LlamaForCausalLM"):
+        extract_adapter(make_drafter(targets["llama"]), targets["llama"], lora_config())
+
+
+def test_save_adapter_of_a_plain_drafter_writes_nothing(targets, tmp_path):
+    from dflash2_hf import DrafterArgumentTypeError
+
+    with pytest.raises(DrafterArgumentTypeError, match=r"got a plain DFlash2DraftModel; nothing was written.*"
+                       r"add_lora\(drafter\).*save_pretrained"):
+        save_adapter(make_drafter(targets["llama"]), tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(DrafterArgumentTypeError, match="got a LlamaForCausalLM"):
+        save_adapter(targets["llama"], tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_save_adapter_refuses_a_folder_holding_a_drafter_and_overwrites_an_adapter(targets, tmp_path):
+    from dflash2_hf.errors import FolderHoldsModelError
+
+    base = make_drafter(targets["llama"])
+    base.save_pretrained(tmp_path / "drafter")
+    before = sorted(p.name for p in (tmp_path / "drafter").iterdir())
+    model = add_lora(DFlash2DraftModel.from_pretrained(tmp_path / "drafter"))
+    with pytest.raises(FolderHoldsModelError, match=r"holds a drafter \(config.json with model_type 'dflash2', "
+                       r"model.safetensors\).*new folder, e.g. '.*drafter-lora'"):
+        save_adapter(model, tmp_path / "drafter")
+    assert sorted(p.name for p in (tmp_path / "drafter").iterdir()) == before
+    DFlash2DraftModel.from_pretrained(tmp_path / "drafter")  # still a loadable drafter
+    targets["llama"].save_pretrained(tmp_path / "target")  # other model weights: refused too
+    with pytest.raises(FolderHoldsModelError, match=r"holds model weights \(config.json with model_type 'llama'"):
+        save_adapter(model, tmp_path / "target")
+    save_adapter(model, tmp_path / "adapter")  # saving again over an adapter (a training checkpoint) replaces it
+    _perturb_adapter(model)
+    save_adapter(model, tmp_path / "adapter")
+    saved = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
+    name = next(k for k in saved if "lora_B" in k)
+    assert saved[name].abs().sum() > 0
+
+
+def test_int8_drafter_is_refused_by_lora(targets, tmp_path):
+    """The message comes from dflash2_hf.quantization.refuse_int8 (shared with save/push/train)."""
+    from dflash2_hf import UnsupportedGenerationError
+
+    save_adapter(add_lora(make_drafter(targets["llama"])), tmp_path / "adapter")
+    drafter = make_drafter(targets["llama"])
+    drafter.int8_drafting = True  # what quantize_drafter marks (no int8 kernels needed to test the refusal)
+    for call in (lambda: add_lora(drafter), lambda: load_adapter(drafter, tmp_path / "adapter")):
+        with pytest.raises(UnsupportedGenerationError, match="int8-quantized drafter .* cannot be given a LoRA"):
+            call()
+
+
+def test_adapter_folder_check_names_a_drafter_folder(targets, tmp_path):
+    from dflash2_hf import CheckpointError
+    from dflash2_hf.lora import check_adapter_folder
+
+    make_drafter(targets["llama"]).save_pretrained(tmp_path / "drafter")
+    folder = str(tmp_path / "drafter")
+    with pytest.raises(CheckpointError) as err:
+        check_adapter_folder(folder)
+    message = str(err.value)
+    assert "is not a LoRA adapter folder: adapter_config.json is missing" in message
+    assert f"this is a drafter folder; pass it as --drafter {folder} / dflash2_hf.load_drafter({folder!r}" in message
+    targets["llama"].save_pretrained(tmp_path / "target")
+    with pytest.raises(CheckpointError, match=r"adapter_config.json is missing .*it holds model weights \(config.json "
+                       r"with model_type 'llama', model.safetensors\), not an adapter"):
+        check_adapter_folder(tmp_path / "target")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointError, match=r"adapter_config.json is missing \(expected the output of `dflash2 "
+                       r"train --lora` or `dflash2_hf.lora.save_adapter`\)$"):
+        check_adapter_folder(tmp_path / "empty")

@@ -33,6 +33,11 @@ class DrafterArgumentTypeError(DFlash2Error, TypeError):
     """An argument of the wrong kind (e.g. a model id or a config where a loaded model belongs)."""
 
 
+class FolderHoldsModelError(DFlash2Error, FileExistsError):
+    """A save would put its files next to another model's in one folder (e.g. a LoRA adapter into a drafter folder),
+    leaving a folder that loads as neither."""
+
+
 class ShippedDrafterNotFoundError(DFlash2Error, FileNotFoundError):
     """A shipped drafter was named but its folder (the repository's ``model_cards/``) is not on this machine."""
 

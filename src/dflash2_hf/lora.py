@@ -42,6 +42,7 @@ from transformers.utils import logging
 from .checkpoint import non_finite
 from .errors import CheckpointError, DrafterTargetMismatchError
 from .integrity import digest_mismatch, weights_digest
+from .lora_checks import carries_lora, check_adapter_path, check_adapter_save, check_drafter, model_in_folder
 from .quantization import refuse_int8
 
 logger = logging.get_logger(__name__)
@@ -112,7 +113,14 @@ def add_lora(drafter, config: LoraConfig | None = None) -> PeftModel:
 
     The returned ``PeftModel`` works directly as ``assistant_model=`` in ``target.generate`` (unmerged), and
     ``merge_and_unload()`` gives back a plain :class:`~dflash2_hf.DFlash2DraftModel`.
+
+    Raises:
+        DrafterArgumentTypeError: ``drafter`` is no loaded :class:`~dflash2_hf.DFlash2DraftModel` (a name, a
+            transformers model such as the target, a ``PeftModel`` that already carries an adapter).
+        UnsupportedGenerationError: ``drafter`` is an int8 drafting copy.
     """
+    check_drafter(drafter, "add_lora(drafter)", hint=" (For LoRA on a transformers model itself use "
+                  "peft.get_peft_model(model, config).)" if hasattr(drafter, "get_output_embeddings") else "")
     refuse_int8(drafter, "given a LoRA adapter")
     return get_peft_model(drafter, config or lora_config())
 
@@ -138,8 +146,11 @@ def extract_adapter(base, finetuned, config: LoraConfig) -> PeftModel:
         The ``PeftModel`` around ``base`` (save it with :func:`save_adapter`).
 
     Raises:
+        DrafterArgumentTypeError: ``base`` or ``finetuned`` is no loaded :class:`~dflash2_hf.DFlash2DraftModel`.
         AdapterMismatchError: ``finetuned`` has other shapes or target binding than ``base``.
     """
+    check_drafter(base, "extract_adapter(base, finetuned, config): base")
+    check_drafter(finetuned, "extract_adapter(base, finetuned, config): finetuned")
     diff = _differing_fields(_fingerprint_fields(base), _fingerprint_fields(finetuned))
     if diff:
         raise AdapterMismatchError(f"Cannot extract an adapter: the fine-tuned drafter differs from the base in {diff} "
@@ -170,7 +181,18 @@ def save_adapter(model: PeftModel, save_directory: str | os.PathLike, dtype: tor
 
     ``dtype``: store the adapter weights in this precision (e.g. ``torch.bfloat16``, half the bytes of float32;
     loading casts them to the drafter's precision); default: as held.
+
+    A folder that already holds an adapter gets the new one over it (its adapter files and fingerprint are
+    replaced, other files stay): how training checkpoints are updated. A folder that holds a drafter or other model
+    weights is refused, so a drafter folder never ends up holding an adapter as well.
+
+    Raises:
+        DrafterArgumentTypeError: ``model`` is no ``PeftModel`` of a drafter (e.g. a plain drafter: wrap it with
+            :func:`add_lora`, or save the whole drafter with ``save_pretrained``). Nothing is written.
+        FolderHoldsModelError: ``save_directory`` holds a drafter (``config.json`` of a drafter) or model weights
+            (``model.safetensors``, ...). Nothing is written; save into a new folder.
     """
+    check_adapter_save(model, save_directory)
     state = None
     if dtype is not None:
         state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in model.state_dict().items()}
@@ -230,7 +252,8 @@ def check_adapter_folder(path: str | os.PathLike) -> None:
 
     Raises:
         FileNotFoundError: no such folder.
-        CheckpointError: adapter_config.json / adapter_model.safetensors missing, truncated or corrupt.
+        CheckpointError: adapter_config.json / adapter_model.safetensors missing (a drafter folder, or another
+            model's, is named as such), truncated or corrupt.
     """
     path = Path(path)
     if not path.exists():
@@ -238,8 +261,13 @@ def check_adapter_folder(path: str | os.PathLike) -> None:
                                 "`dflash2 train --lora` (adapter_config.json + adapter_model.safetensors) or a Hub id")
     for name in ("adapter_config.json", "adapter_model.safetensors"):
         if not (path / name).is_file():
+            held = model_in_folder(path)
+            what = "" if held is None else f"; it holds {held[1]}" + (
+                f": this is a drafter folder; pass it as --drafter {str(path)} / dflash2_hf.load_drafter("
+                f"{str(path)!r}, target), and an adapter for it as --adapter / load_adapter(drafter, adapter_folder)"
+                if held[0] else ", not an adapter")
             raise CheckpointError(f"{str(path)!r} is not a LoRA adapter folder: {name} is missing (expected the "
-                                  "output of `dflash2 train --lora` or `dflash2_hf.lora.save_adapter`)")
+                                  f"output of `dflash2 train --lora` or `dflash2_hf.lora.save_adapter`){what}")
     from safetensors import safe_open
 
     try:
@@ -264,6 +292,8 @@ def load_adapter(drafter, adapter_path: str | os.PathLike, is_trainable: bool = 
             weights). ``False`` only logs a warning.
 
     Raises:
+        DrafterArgumentTypeError: ``drafter`` is no loaded :class:`~dflash2_hf.DFlash2DraftModel` (a name, the
+            target), or ``adapter_path`` is no folder or name (arguments swapped).
         AdapterMismatchError: the adapter's fingerprint names another drafter (the differing fields are listed),
             or (``strict``) other base weights of the same shapes, or ``drafter`` already carries LoRA layers.
         FileNotFoundError: a local adapter folder does not exist, or a Hub id has no reachable adapter_config.json.
@@ -274,18 +304,17 @@ def load_adapter(drafter, adapter_path: str | os.PathLike, is_trainable: bool = 
 
     An adapter without ``dflash2_adapter.json`` (saved by plain ``peft``) loads with a warning: nothing can be checked.
     """
-    from peft.tuners.tuners_utils import BaseTunerLayer
-
     from .hub import is_local_path
-
     from .shipped import resolve_name_or_path
 
+    check_adapter_path(adapter_path, "load_adapter(drafter, adapter_path)")
+    check_drafter(drafter, "load_adapter(drafter, adapter_path)", peft_ok=True)
     refuse_int8(drafter, "given a LoRA adapter")
     adapter_path = resolve_name_or_path(adapter_path)  # a shipped adapter's name from any working directory
     path = Path(adapter_path)
     # peft injects LoRA layers into the drafter in place, so a second call on the same object would see "other
     # base weights"; say what really happened instead.
-    if isinstance(drafter, PeftModel) or any(isinstance(m, BaseTunerLayer) for m in drafter.modules()):
+    if carries_lora(drafter):
         raise AdapterMismatchError(
             f"Cannot load {str(adapter_path)!r}: this drafter already carries a LoRA adapter (load_adapter injects "
             "its layers into the drafter in place). Load the adapter on a freshly loaded base drafter "
