@@ -23,7 +23,8 @@ from pathlib import Path
 import dflash2_hf  # noqa: F401
 from dflash2_hf import DFlash2DraftModel
 from dflash2_hf.data import load_prepared, read_meta
-from dflash2_hf.hub import HUB_ORG_PLACEHOLDER, bench_results_section, build_adapter_card, copy_bench_files
+from dflash2_hf.hub import (HUB_ORG_PLACEHOLDER, bench_results_section, build_adapter_card, copy_bench_files,
+                             current_spelling)
 from dflash2_hf.lora import FINGERPRINT_FILE, adapter_size_bytes, checkpoint_size_bytes, load_adapter
 
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", FINGERPRINT_FILE)
@@ -89,7 +90,9 @@ def provenance(adapter_dir: Path) -> list[dict]:
 
 
 def _stage_text(stage: dict) -> str:
-    cmd = f"`{' '.join(stage['argv'] if stage['kind'] == 'extract' else ['dflash2', *stage['argv'][1:]])}`"
+    # a recorded train command is shown in today's option spellings, so that it runs as written
+    argv = stage["argv"] if stage["kind"] == "extract" else current_spelling(["dflash2", *stage["argv"][1:]])
+    cmd = f"`{' '.join(argv)}`"
     if stage["kind"] == "extract":
         share = 100 * stage["adapter_parameters"] / stage["base_parameters"]
         return (f"extraction into an adapter (truncated SVD of each LoRA target's update, the modules to save "

@@ -18,7 +18,8 @@ import torch
 import dflash2_hf  # noqa: F401
 from dflash2_hf import DFlash2DraftModel
 from dflash2_hf.data import read_meta
-from dflash2_hf.hub import HUB_ORG_PLACEHOLDER, bench_results_section, build_model_card, copy_bench_files
+from dflash2_hf.hub import (HUB_ORG_PLACEHOLDER, bench_results_section, build_model_card, copy_bench_files,
+                             current_spelling)
 from dflash2_hf.training.dataset import load_training_records
 from dflash2_hf.training.draft_vocab import draft_vocab_coverage, draft_vocab_from_records, eos_ids
 
@@ -77,7 +78,8 @@ def recipe_text(drafter_dir: Path, chain: list[dict], data: dict[Path, list[dict
     if first_init and out and Path(first_init).resolve() == out.resolve():
         start += " as it was then (an earlier release: see this folder's git history)"
     stages = "\n".join(
-        f"  {i}. `dflash2 {' '.join(c['argv'][1:])}` ({c.get('threads')} CPU thread(s))" for i, c in enumerate(chain, 1))
+        f"  {i}. `{' '.join(current_spelling(['dflash2', *c['argv'][1:]]))}` ({c.get('threads')} CPU thread(s))"
+        for i, c in enumerate(chain, 1))  # in today's option spellings, so that each runs as written
     folders = "\n".join(f"  - {data_line(d, recs)}" for d, recs in data.items())
     return (
         f"- **Data** of the last stage (at shipping time; earlier stages: their commands below):\n{folders}\n"

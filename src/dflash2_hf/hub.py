@@ -237,6 +237,36 @@ def _compose_card(text: str, base_model: str, library_name: str, datasets: list[
     return ModelCard(f"---\n{data.to_yaml()}\n---\n{text}")
 
 
+# options of earlier releases that took no value -> the value today's spelling of them takes ("" = still none)
+_OLD_FLAG_VALUES = {"--no-progress": "true", "--resume": "last", "--selector-no-detach": ""}
+
+
+def current_spelling(argv: list[str]) -> list[str]:
+    """A recorded ``dflash2 COMMAND ...`` argv (``argv[0]`` the program) with every renamed option in today's
+    spelling, so the command a card shows runs as written: an output folder's ``--out`` / ``--output`` ->
+    ``--output-dir`` (:data:`dflash2_cli.options.OLD_OUTPUT_SPELLINGS`) and train's options of
+    :data:`dflash2_hf.training.parser.RENAMED` (``--lr`` -> ``--learning-rate``, ``--no-progress`` ->
+    ``--disable-tqdm true``, ...); values are kept."""
+    from dflash2_cli.options import OLD_OUTPUT_SPELLINGS
+
+    renamed = dict.fromkeys(OLD_OUTPUT_SPELLINGS, "--output-dir")
+    if argv[1:2] == ["train"]:
+        from .training.parser import RENAMED
+
+        renamed.update({old: new.split()[0] for old, new in RENAMED.items()})  # "--warmup-steps (a ratio ...)"
+    out = list(argv[:2])
+    for arg in argv[2:]:
+        name, eq, value = arg.partition("=")
+        if name not in renamed:
+            out.append(arg)
+        elif eq:
+            out.append(f"{renamed[name]}={value}")
+        else:  # the value follows unchanged, or the old flag gets the value its new spelling takes
+            flag_value = _OLD_FLAG_VALUES.get(name, "")
+            out += [renamed[name], flag_value] if flag_value else [renamed[name]]
+    return out
+
+
 def bench_results_section(results_md: str | os.PathLike | None, missing: str = "No benchmark was run for this "
                           "folder.") -> str:
     """Card text of a ``dflash2 bench`` run: the command that produced it (from the ``results.json`` next to
@@ -246,6 +276,7 @@ def bench_results_section(results_md: str | os.PathLike | None, missing: str = "
     bench_json = Path(results_md).with_name("results.json")
     command = json.loads(bench_json.read_text())["meta"].get("command") if bench_json.exists() else None
     command = command.replace("dflash2 bench bench", "dflash2 bench") if command else None  # runs before the fix
+    command = " ".join(current_spelling(command.split(" "))) if command else None
     # the report's own title becomes a sub-heading of the card's "Measured results" section
     table = re.sub(r"^# ", "### ", Path(results_md).read_text(), count=1, flags=re.MULTILINE)
     return (f"Measured with `{command}` (this repository, on the CPU machine described below).\n\n"
