@@ -78,8 +78,10 @@ def test_prepare_train_lora_generate(tmp_path, monkeypatch, capsys):
     assert results["meta"]["adapter_bytes"] > 0 and results["meta"]["drafter_bytes"] > results["meta"]["adapter_bytes"]
     assert all(r["identical_to_plain"] for r in results["records"])
     assert "LoRA adapter (method `dflash2_adapter`)" in (out / "results.md").read_text()
-    assert main(["bench", "--target", t, "--drafter", str(tmp_path / "drafter"), "--adapter", str(tmp_path / "nope"),
-                 "--datasets", str(prompts), "--output-dir", str(tmp_path / "bench2"), "--no-progress"]) == 2
+    with pytest.raises(SystemExit) as refused:  # a missing adapter folder: refused while parsing
+        main(["bench", "--target", t, "--drafter", str(tmp_path / "drafter"), "--adapter", str(tmp_path / "nope"),
+              "--datasets", str(prompts), "--output-dir", str(tmp_path / "bench2"), "--no-progress"])
+    assert refused.value.code == 2 and not (tmp_path / "bench2").exists()
     # a new drafter against the previous one (here: the adapter merged, saved as a drafter of its own)
     adapted.merge_and_unload().save_pretrained(tmp_path / "merged")
     bench = ["bench", "--target", t, "--drafter", str(tmp_path / "merged"), "--datasets", str(prompts),

@@ -130,9 +130,10 @@ def test_cli_prints_one_line_errors(capsys, tmp_path):
 def test_cli_missing_local_target_and_unreachable_hub_ids_are_one_line_errors(capsys, monkeypatch, tmp_path):
     from dflash2_hf.cli import main
 
-    assert main(["generate", "--target", str(tmp_path / "nonexistent"), "--prompt", "hi"]) == 2
+    with pytest.raises(SystemExit) as done:  # refused while parsing, before any import of the models
+        main(["generate", "--target", str(tmp_path / "nonexistent"), "--prompt", "hi"])
     err = capsys.readouterr().err
-    assert "Unknown target" in err and "Traceback" not in err
+    assert done.value.code == 2 and "unknown target" in err and "Traceback" not in err
 
     def unreachable(args):  # what huggingface_hub raises for a Hub id it cannot reach
         raise OSError("We couldn't connect to the Hub to load someorg/none")
@@ -205,7 +206,7 @@ def test_adapter_folder_and_folder_without_weights_are_named(targets, tmp_path, 
         DFlash2DraftModel.from_pretrained(no_weights)
     for folder, message in ((adapter, "LoRA adapter"), (no_weights, "No weight file")):
         with pytest.raises(SystemExit):  # argparse refuses it: the (missing) target is never reached
-            main(["generate", "--target", "no-such-target", "--drafter", str(folder), "--prompt", "hi"])
+            main(["generate", "--target", "no-such/target", "--drafter", str(folder), "--prompt", "hi"])
         err = capsys.readouterr().err
         assert "dflash2 generate: error: argument --drafter:" in err and message in err
 
@@ -251,7 +252,8 @@ def test_generate_adapter_that_is_no_adapter_is_refused_before_the_target_loads(
     from dflash2_hf.shipped import shipped_drafter_path
 
     monkeypatch.setattr(dflash2_hf.targets, "load_target", lambda *a, **k: pytest.fail("the target was loaded"))
-    assert main(["generate", "--prompt", "hi", "--adapter", str(tmp_path / "missing")]) == 2
-    assert "adapter folder" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # a missing folder: refused while parsing
+        main(["generate", "--prompt", "hi", "--adapter", str(tmp_path / "missing")])
+    assert "argument --adapter: no adapter folder" in capsys.readouterr().err
     assert main(["generate", "--prompt", "hi", "--adapter", shipped_drafter_path()]) == 2  # a drafter, not an adapter
     assert "is not a LoRA adapter folder: adapter_config.json is missing" in capsys.readouterr().err

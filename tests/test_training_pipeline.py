@@ -202,6 +202,55 @@ def test_selector_training_options_are_checked_before_any_work(options, message)
         check_run(cfg.data, cfg.features, cfg.drafter, cfg.lora, cfg.training_args)
 
 
+@pytest.mark.parametrize("options, message", [
+    (["--lora", "--init", "d", "--lora-r", "0"], "--lora-r must be >= 1"),
+])
+def test_lora_rank_is_checked_before_any_work(options, message):
+    from dflash2_hf.cli import build_parser
+    from dflash2_hf.training.config import check_run
+    from dflash2_hf.training.parser import configs_from_namespace
+
+    cfg = configs_from_namespace(build_parser("train").parse_args(["train", "--data", "d", "--output-dir", "o",
+                                                                   *options]))
+    with pytest.raises(ValueError, match=message):
+        check_run(cfg.data, cfg.features, cfg.drafter, cfg.lora, cfg.training_args)
+
+
+def test_an_output_dir_holding_a_drafter_or_another_run_is_refused_and_kept(tmp_path, monkeypatch):
+    """A training run never writes into a folder that holds something unless it resumes or is told to overwrite;
+    --data given a file and a missing --output-dir are refused with the fix, all before any model loads."""
+    import dflash2_hf.targets
+
+    monkeypatch.setattr(dflash2_hf.targets, "load_target", lambda *a, **k: pytest.fail("the target was loaded"))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data").mkdir()
+    old = tmp_path / "old-drafter"
+    old.mkdir()
+    (old / "model.safetensors").write_bytes(b"weights of an earlier run")
+    (old / "checkpoint-4").mkdir()
+    (tmp_path / "chats.jsonl").write_text("{}\n")
+    base = ["train", "--target", "smollm2", "--data", "data", "--max-steps", "1", "--num-threads", "1"]
+    for extra, message in (
+            (["--output-dir", str(old)],
+             r"already holds a drafter \(checkpoint-4, model.safetensors\).*--overwrite-output-dir true"),
+            (["--output-dir", str(old), "--resume-from-checkpoint", str(tmp_path / "nope")], "no such checkpoint"),
+            ([], "--output-dir is required"),
+            (["--output-dir", "new", "--data", "chats.jsonl"],  # a conversations FILE: the command making a folder
+             "is a file; --data takes a prepared data folder.*prepare-data --source")):
+        with pytest.raises(ValueError, match=message):
+            _run_train([*base, *extra])
+    assert (old / "model.safetensors").read_bytes() == b"weights of an earlier run" and not (tmp_path / "new").exists()
+
+
+def _run_train(argv):
+    """``dflash2 train`` as the CLI parses it, with its errors raised (main() prints them as one line)."""
+    from dflash2_hf.cli import build_parser
+    from dflash2_hf.training import train
+    from dflash2_hf.training.parser import configs_from_namespace
+
+    train(**configs_from_namespace(build_parser("train").parse_args(argv))._asdict())
+
+
 def test_train_only_selector_refuses_a_drafter_without_one(target):
     from dflash2_hf.training.build import apply_selector_options, freeze_all_but_selector
 

@@ -287,7 +287,8 @@ class DFlash2DraftModel(DFlash2PreTrainedModel):
             raise DrafterTargetMismatchError(
                 f"This drafter was built for another target: the target {type(target).__name__} has "
                 + "; ".join(problems)
-                + ". Use a drafter trained for this target, or build one with DFlash2DraftModel.from_target(target)."
+                + ". Use a drafter trained for this target, or train one (docs/training.md: `dflash2 train --target ...`; "
+                "DFlash2DraftModel.from_target(target) gives an untrained one to start from)."
             )
 
     @classmethod

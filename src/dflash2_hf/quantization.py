@@ -141,8 +141,9 @@ def refuse_int8(drafter, action: str) -> None:
     e.g. "saved")."""
     if is_int8(drafter):
         raise UnsupportedGenerationError(
-            f"An int8-quantized drafter drafts only and cannot be {action}: use the float drafter it was made from "
-            "(load it again without --drafter-dtype int8 / quantize_drafter)."
+            f"An int8-quantized drafter drafts only and cannot be {action}: use the float drafter, e.g. "
+            "dflash2_hf.load_drafter(name, target, precision=\"fp32\") (or \"bf16\"; load_drafter picks int8 by default "
+            "on x86 CPUs); CLI: --drafter-dtype fp32."
         )
 
 

@@ -13,6 +13,7 @@ The recipe's optimisation defaults (:data:`RECIPE_DEFAULTS`: AdamW 6e-4, cosine,
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field, fields
 from typing import Literal
 
@@ -230,6 +231,8 @@ class DFlash2TrainingArguments(TrainingArguments):
             top-k logits, ``distill_topk``); ``None``: 0.5 with ``distill_topk``, else 0.
         modules_to_save_learning_rate (`float`, *optional*): learning rate of the modules a LoRA adapter trains in
             full (peft ``modules_to_save``), when it should differ from ``learning_rate`` (the LoRA layers').
+        overwrite_output_dir (`bool`): allow an ``output_dir`` that already holds files when not resuming
+            (:func:`check_output_dir`).
     """
 
     loss_gamma: float | None = field(default=None, metadata={"aliases": ["--gamma"],
@@ -243,6 +246,9 @@ class DFlash2TrainingArguments(TrainingArguments):
                                 "distribution (default 0.5 with --distill-topk, else 0)"})
     modules_to_save_learning_rate: float | None = field(default=None, metadata={
         "aliases": ["--lora-modules-lr"], "help": "learning rate of a LoRA adapter's fully trained modules"})
+    overwrite_output_dir: bool = field(default=False, metadata={
+        "help": "train into an --output-dir that already holds files (a drafter, an adapter, another run's "
+                "checkpoints), replacing what this run writes; without it such a folder is refused"})
 
 
 def default_training_arguments(output_dir: str, **overrides) -> DFlash2TrainingArguments:
@@ -251,6 +257,41 @@ def default_training_arguments(output_dir: str, **overrides) -> DFlash2TrainingA
     kw = dict(RECIPE_DEFAULTS, output_dir=output_dir, save_steps=200)
     kw.update(overrides)
     return DFlash2TrainingArguments(**kw)
+
+
+def check_output_dir(training_args: DFlash2TrainingArguments, resume_from: str | None, data: DataArguments,
+                     features: FeatureArguments) -> None:
+    """Refuses, before any work, an ``output_dir`` a training run would silently overwrite or mix into.
+
+    A run that trains (not ``--eval-only`` / ``--features-only``) needs an explicit ``output_dir`` (transformers'
+    default ``trainer_output`` is refused) that is new or empty, unless it resumes a checkpoint or
+    ``overwrite_output_dir`` is set: a folder holding a drafter, an adapter or another run's checkpoints would
+    otherwise get this run's files next to or over its own (and ``--resume-from-checkpoint last`` would later pick
+    the other run's newest checkpoint).
+
+    Raises:
+        ValueError: the default output folder, a file, or a non-empty folder (the message names its contents and the
+            three ways on).
+    """
+    if data.eval_only or features.features_only:
+        return
+    out = training_args.output_dir
+    if out in (None, "trainer_output"):
+        raise ValueError("--output-dir is required: the folder the trained drafter (or adapter) and its checkpoints "
+                         "are written to, e.g. --output-dir runs/my-drafter")
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise ValueError(f"--output-dir {out}: is a file; name a folder")
+    if resume_from is not None or training_args.overwrite_output_dir or not os.path.isdir(out):
+        return
+    entries = sorted(os.listdir(out))
+    if not entries:
+        return
+    held = ("a drafter" if "model.safetensors" in entries else "an adapter" if "adapter_config.json" in entries
+            else "checkpoints of another run" if any(e.startswith("checkpoint-") for e in entries) else "files")
+    shown = ", ".join(entries[:5]) + (", ..." if len(entries) > 5 else "")
+    raise ValueError(f"--output-dir {out} already holds {held} ({shown}): a new run would overwrite or mix with it. "
+                     "Choose a new --output-dir, continue that run with --resume-from-checkpoint last, or pass "
+                     "--overwrite-output-dir true to replace it.")
 
 
 def check_run(data: DataArguments, features: FeatureArguments, drafter: DrafterArguments, lora: LoraArguments,
@@ -262,6 +303,12 @@ def check_run(data: DataArguments, features: FeatureArguments, drafter: DrafterA
     """
     if data.data is None and not data.eval_only:
         raise ValueError("--data is required (a prepared data folder)")
+    if data.data is not None and os.path.isfile(data.data):
+        raise ValueError(f"--data {data.data}: is a file; --data takes a prepared data folder. Make one from a "
+                         "conversations file with `dflash2 prepare-data --source FILE --output-dir DIR` "
+                         "(docs/training.md)")
+    if lora.lora and lora.lora_r < 1:
+        raise ValueError(f"--lora-r must be >= 1 (the adapter's rank), got {lora.lora_r}")
     if drafter.train_only == "selector" and not drafter.init:
         raise ValueError("--train-only selector needs --init PATH_OR_ID: the trained drafter whose selector is "
                          "trained (a fresh drafter's layers would stay random).")
@@ -298,4 +345,4 @@ def check_run(data: DataArguments, features: FeatureArguments, drafter: DrafterA
 
 
 __all__ = ["DFlash2TrainingArguments", "DataArguments", "DrafterArguments", "FeatureArguments", "LoraArguments",
-           "RECIPE_DEFAULTS", "check_run", "default_training_arguments"]
+           "RECIPE_DEFAULTS", "check_output_dir", "check_run", "default_training_arguments"]

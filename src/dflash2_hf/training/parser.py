@@ -71,6 +71,12 @@ def _bool_or_auto(text: str):
 
 def _add_extras(parser: argparse.ArgumentParser) -> None:
     for action in parser._actions:
+        if action.dest == "resume_from_checkpoint":
+            action.help = ("continue a run: `last` = the newest complete checkpoint-N in --output-dir, or a "
+                           "checkpoint folder")
+        if action.dest == "output_dir":
+            action.help = "where the drafter (or adapter) and its checkpoints are written (required; a new or empty " \
+                          "folder unless resuming or --overwrite-output-dir)"
         if action.dest == "bf16":
             action.type = _bool_or_auto
             action.help = "bfloat16 autocast of the training step (fp32 master weights); auto = where the device " \

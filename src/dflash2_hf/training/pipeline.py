@@ -35,6 +35,7 @@ from .config import (
     DrafterArguments,
     FeatureArguments,
     LoraArguments,
+    check_output_dir,
     check_run,
 )
 from .records import default_features_root, is_code_folder, keep_code, last_complete_checkpoint, load_eval_records
@@ -175,6 +176,7 @@ def train(data: DataArguments, training_args: DFlash2TrainingArguments, drafter:
     check_lora_init(lora)
     t_start = time.time()
     resume_from = resolve_resume(training_args)
+    check_output_dir(training_args, resume_from, data, features)
     online = features.features == "online"
     with training_args.main_process_first(desc="target"):  # a first load may convert and cache it
         target, tokenizer = load_target(data.target, dtype=features.compute_dtype() if online else torch.float32,
