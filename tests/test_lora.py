@@ -455,3 +455,31 @@ def test_adapter_folder_check_names_a_drafter_folder(targets, tmp_path):
     with pytest.raises(CheckpointError, match=r"adapter_config.json is missing \(expected the output of `dflash2 "
                        r"train --lora` or `dflash2_hf.lora.save_adapter`\)$"):
         check_adapter_folder(tmp_path / "empty")
+
+
+def test_an_adapter_on_a_drafter_with_prepacked_cpu_kernels_merges_into_what_drafts(targets, tmp_path):
+    """load_drafter puts a CPU drafter on prepacked kernels; a LoRA merge writes into the weights in place, which the
+    packed copies would not see (the merged drafter drafted with the base weights). The adapter functions put the
+    drafter back on stock kernels first, and quantize_drafter quantizes a prepacked drafter all the same."""
+    from dflash2_hf import optimize_for_cpu
+    from dflash2_hf.cpu_kernels import is_optimized
+    from dflash2_hf.quantization import int8_support, is_int8, is_quantized_linear, quantize_drafter
+
+    target = targets["llama"]
+    make_drafter(target).save_pretrained(tmp_path / "base")
+    save_adapter_from = add_lora(DFlash2DraftModel.from_pretrained(tmp_path / "base"))
+    _perturb_adapter(save_adapter_from)
+    save_adapter(save_adapter_from, tmp_path / "adapter")
+    embeds, ctx = _drafter_inputs(save_adapter_from.get_base_model())
+    with torch.no_grad():
+        reference = load_adapter(DFlash2DraftModel.from_pretrained(tmp_path / "base"),
+                                 tmp_path / "adapter").merge_and_unload()(embeds, ctx).last_hidden_state
+        prepacked = optimize_for_cpu(DFlash2DraftModel.from_pretrained(tmp_path / "base").eval())
+        merged = load_adapter(prepacked, tmp_path / "adapter").merge_and_unload()
+        assert not is_optimized(merged)
+        torch.testing.assert_close(merged(embeds, ctx).last_hidden_state, reference, rtol=1e-4, atol=1e-4)
+        merged = optimize_for_cpu(merged)  # packed again after the merge: the merged weights
+        torch.testing.assert_close(merged(embeds, ctx).last_hidden_state, reference, rtol=1e-4, atol=1e-4)
+    if int8_support("cpu")[0]:
+        quantized = quantize_drafter(optimize_for_cpu(DFlash2DraftModel.from_pretrained(tmp_path / "base").eval()))
+        assert is_int8(quantized) and any(is_quantized_linear(m) for m in quantized.layers.modules())

@@ -122,7 +122,20 @@ def add_lora(drafter, config: LoraConfig | None = None) -> PeftModel:
     check_drafter(drafter, "add_lora(drafter)", hint=" (For LoRA on a transformers model itself use "
                   "peft.get_peft_model(model, config).)" if hasattr(drafter, "get_output_embeddings") else "")
     refuse_int8(drafter, "given a LoRA adapter")
-    return get_peft_model(drafter, config or lora_config())
+    return get_peft_model(_stock_linears(drafter), config or lora_config())
+
+
+def _stock_linears(drafter):
+    """``drafter`` with plain ``nn.Linear`` layers: LoRA wraps them, and a merge writes into their weights in place,
+    which a prepacked copy (:func:`dflash2_hf.optimize_for_cpu`) would not see. Run ``optimize_for_cpu`` again on the
+    merged drafter."""
+    from .cpu_kernels import is_optimized, restore_stock_kernels
+
+    if is_optimized(drafter):
+        restore_stock_kernels(drafter)
+        logger.info("LoRA: the drafter's prepacked CPU linears are back on stock kernels (a merge writes into their "
+                    "weights); call optimize_for_cpu() on the merged drafter")
+    return drafter
 
 
 @torch.no_grad()
@@ -349,7 +362,7 @@ def load_adapter(drafter, adapter_path: str | os.PathLike, is_trainable: bool = 
                 raise AdapterMismatchError(message)
             logger.warning(message)
     try:
-        model = PeftModel.from_pretrained(drafter, str(path), is_trainable=is_trainable)
+        model = PeftModel.from_pretrained(_stock_linears(drafter), str(path), is_trainable=is_trainable)
     except RuntimeError as err:
         if "size mismatch" not in str(err):
             raise

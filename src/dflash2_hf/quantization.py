@@ -70,7 +70,8 @@ def _quantize(module: nn.Module) -> nn.Module:
 
 def quantize_drafter(drafter):
     """Turns ``drafter`` (a float32 CPU :class:`~dflash2_hf.DFlash2DraftModel`, eval mode) into an int8 drafting copy,
-    in place, and returns it.
+    in place, and returns it. A drafter already on prepacked CPU kernels (:func:`dflash2_hf.optimize_for_cpu`) is
+    quantized all the same; its remaining float linears stay prepacked.
 
     Raises:
         UnsupportedGenerationError: the drafter is not float32 on the CPU, still carries unmerged LoRA layers
@@ -94,7 +95,14 @@ def quantize_drafter(drafter):
             "dflash2_hf.bench.load_adapted_drafter does), then quantize."
         )
     drafter.eval()
+    from .cpu_kernels import is_optimized, optimize_for_cpu, restore_stock_kernels
+
+    prepacked = is_optimized(drafter)  # quantize_dynamic replaces plain nn.Linear only: unpack first, repack the rest
+    if prepacked:
+        restore_stock_kernels(drafter)
     _quantize(drafter.layers)  # not drafter.fc: see the module docstring (per-call activation scale vs outlier tokens)
+    if prepacked:
+        optimize_for_cpu(drafter)
     drafter.int8_drafting = True
     drafter._lm_head_cast = None  # the cached draft LM head is rebuilt in int8 at the next proposal
     return drafter
