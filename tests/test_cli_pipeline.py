@@ -66,6 +66,12 @@ def test_prepare_train_lora_generate(tmp_path, monkeypatch, capsys):
     for assistant in (drafter, adapted, adapted.merge_and_unload()):
         assert torch.equal(ref, target.generate(ids, assistant_model=assistant, max_new_tokens=12, do_sample=False))
 
+    # generate with the adapter merged (load_drafter(..., adapter=...)), from the command line
+    capsys.readouterr()
+    assert main(["generate", "--target", t, "--drafter", str(tmp_path / "drafter"), "--adapter",
+                 str(tmp_path / "adapter"), "--prompt", "hello there", "--max-new-tokens", "8", "--compare"]) == 0
+    assert "greedy outputs identical: True" in capsys.readouterr().out
+
     # the side-by-side benchmark of base vs adapted drafter, through the command line
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("hello there", "how are you")))

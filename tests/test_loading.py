@@ -105,7 +105,37 @@ def test_an_adapter_folder_names_its_base_and_forward_refuses_token_ids(saved, t
 
     target, folder = saved
     (tmp_path / "adapter_config.json").write_text('{"base_model_name_or_path": "org/base-drafter"}')
-    with pytest.raises(CheckpointError, match="load_adapted_drafter\\('org/base-drafter'.*--drafter org/base-drafter --adapter"):
+    with pytest.raises(CheckpointError, match="load_drafter\\('org/base-drafter', target, adapter=.*--drafter org/base-drafter --adapter"):
         DFlash2DraftModel.from_pretrained(tmp_path)
     with pytest.raises(ValueError, match="forward takes block embeddings .*assistant_model=draft"):
         load_drafter(folder, target, precision="fp32")(torch.tensor([[1, 2, 3]]))
+
+
+def test_an_adapter_is_merged_before_the_precision_is_applied(saved, tmp_path):
+    """``load_drafter(..., adapter=...)`` drafts with the adapter merged (in float, then int8 where auto picks it),
+    says so in ``dflash2_loading``, and refuses another drafter's adapter."""
+    from conftest import make_drafter as make
+    from dflash2_hf import DFlash2DraftModel, add_lora, load_adapter
+    from dflash2_hf.lora import AdapterMismatchError, save_adapter
+
+    target, folder = saved
+    adapted = add_lora(DFlash2DraftModel.from_pretrained(folder))
+    with torch.no_grad():
+        for name, p in adapted.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)
+    save_adapter(adapted, tmp_path / "adapter")
+    draft = load_drafter(folder, target, precision="fp32", adapter=tmp_path / "adapter")
+    assert "LoRA adapter" in draft.dflash2_loading and "merged" in draft.dflash2_loading
+    reference = load_adapter(DFlash2DraftModel.from_pretrained(folder), tmp_path / "adapter").merge_and_unload()
+    for name, p in reference.state_dict().items():
+        torch.testing.assert_close(draft.state_dict()[name], p)
+    auto = load_drafter(folder, target, adapter=tmp_path / "adapter")
+    assert is_int8(auto) == (drafting_precision(target.device)[0] == "int8")
+    prompt = torch.tensor([[3, 17, 42, 5, 3, 17]])
+    plain = target.generate(prompt, do_sample=False, max_new_tokens=12)
+    assert torch.equal(target.generate(prompt, assistant_model=auto, do_sample=False, max_new_tokens=12), plain)
+    other = tmp_path / "other"
+    make(target, num_hidden_layers=1).save_pretrained(other)
+    with pytest.raises(AdapterMismatchError, match="trained for another drafter"):
+        load_drafter(other, target, adapter=tmp_path / "adapter")

@@ -47,7 +47,7 @@ def check_folder(path: str, config_passed: bool) -> None:
         base = _adapter_base(adapter_config)
         raise CheckpointError(
             f"{path!r} is a LoRA adapter for a drafter (adapter_config.json), not a drafter: load its base drafter "
-            f"{base!r}, then the adapter: dflash2_hf.load_adapted_drafter({base!r}, {path!r}, target) (merged, ready "
+            f"{base!r} with the adapter: dflash2_hf.load_drafter({base!r}, target, adapter={path!r}) (merged, ready "
             f"to draft) or dflash2_hf.load_adapter(drafter, {path!r}); CLI: dflash2 generate (or bench) --drafter "
             f"{base} --adapter {path}."
         )

@@ -40,7 +40,7 @@ def load_drafter_weights(spec: str | os.PathLike, target, dtype: torch.dtype | N
 
 
 def load_drafter(name_or_path: str | os.PathLike, target, precision: str = "auto", cpu_kernels: str = "optimized",
-                 **fresh_overrides):
+                 adapter: str | os.PathLike | None = None, **fresh_overrides):
     """Loads a drafter for ``target`` and makes it draft as cheaply as ``target``'s device allows.
 
     Args:
@@ -54,6 +54,10 @@ def load_drafter(name_or_path: str | os.PathLike, target, precision: str = "auto
         cpu_kernels: ``"optimized"`` (default): on a CPU, the drafter's float linears run on prepacked oneDNN
             kernels (:func:`dflash2_hf.optimize_for_cpu`; the int8 linears are PyTorch's own); ``"stock"`` leaves
             them. The target is not touched: call ``optimize_for_cpu(target)`` yourself.
+        adapter: a LoRA adapter of this drafter (a ``dflash2 train --lora`` folder, a Hub id or the shipped
+            ``"dflash2-smollm2-135m-instruct-code-lora"``), merged into it before the precision and kernels are
+            applied (no adapter cost per drafting step). To keep the adapter as its own layers (train it further),
+            use :func:`dflash2_hf.load_adapter` on a float drafter instead.
 
     Returns:
         the :class:`~dflash2_hf.DFlash2DraftModel` on ``target``'s device, in eval mode; what was chosen is in its
@@ -66,7 +70,9 @@ def load_drafter(name_or_path: str | os.PathLike, target, precision: str = "auto
         ValueError: an unknown ``precision`` / ``cpu_kernels``, or ``"int8"`` where this device cannot run it (the
             reason).
         DrafterTargetMismatchError: the drafter was built for another target (sizes differ).
-        FileNotFoundError, CheckpointError, HubUnreachableError: from :meth:`DFlash2DraftModel.from_pretrained`.
+        FileNotFoundError, CheckpointError, HubUnreachableError: from :meth:`DFlash2DraftModel.from_pretrained`
+            (and for ``adapter``, from :func:`dflash2_hf.load_adapter`).
+        AdapterMismatchError: ``adapter`` was trained for another drafter or on other base weights.
     """
     from .cpu_kernels import KERNELS, cpu_kernels_summary, optimize_for_cpu
     from .generation.precision import PRECISION_ALIASES, resolve_drafting_precision
@@ -82,8 +88,18 @@ def load_drafter(name_or_path: str | os.PathLike, target, precision: str = "auto
     except ValueError as err:  # int8 where the device has no int8 kernels
         raise ValueError(f"precision={precision!r}: {err}") from None
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}.get(precision)
-    drafter = load_drafter_weights(name_or_path, target, dtype=dtype, int8=precision == "int8", **fresh_overrides)
-    drafter.check_target(target)
+    if adapter is None:
+        drafter = load_drafter_weights(name_or_path, target, dtype=dtype, int8=precision == "int8", **fresh_overrides)
+        drafter.check_target(target)
+    else:  # merged in float, then quantized: an int8 copy cannot take an adapter
+        from .lora import load_adapter
+        from .quantization import quantize_drafter
+
+        drafter = load_drafter_weights(name_or_path, target, dtype=dtype or torch.float32, **fresh_overrides)
+        drafter.check_target(target)
+        drafter = load_adapter(drafter, adapter).merge_and_unload().eval()
+        drafter = quantize_drafter(drafter) if precision == "int8" else drafter
+        label = f"{label}; LoRA adapter {os.fspath(adapter)} merged"
     if device.type == "cpu" and cpu_kernels == "optimized":
         optimize_for_cpu(drafter)
     drafter.dflash2_loading = f"{label}; {cpu_kernels_summary(drafter)}"
@@ -113,7 +129,7 @@ def _check_arguments(name_or_path, target, fresh_overrides: dict) -> None:
             f"or 'fresh', got {type(name_or_path).__name__}.")
     if fresh_overrides and name_or_path != "fresh":
         names = sorted(fresh_overrides)
-        close = difflib.get_close_matches(names[0], ["precision", "cpu_kernels"], n=1)
+        close = difflib.get_close_matches(names[0], ["precision", "cpu_kernels", "adapter"], n=1)
         hint = f" Did you mean {close[0]}=?" if close else (
             " The drafting dtype is precision= ('int8', 'bf16', 'fp32'); the device is the target's."
             if {"dtype", "torch_dtype", "device", "device_map"} & set(names) else "")

@@ -49,23 +49,18 @@ def load_target_and_drafter(args: argparse.Namespace):
         torch.set_num_threads(args.num_threads)
     device = resolve_device(args.device)
     dtype, dtype_label = resolve_dtype(args.dtype, device)
-    drafter_dtype, int8, drafter_dtype_label = resolve_drafter_dtype(args.drafter_dtype, device)
+    drafter_dtype_label = resolve_drafter_dtype(args.drafter_dtype, device)[2]  # refuses int8 where it cannot run
     print(f"target dtype: {dtype_label}; drafter dtype: {drafter_dtype_label}; device: {device}")
     target, tokenizer = load_target(args.target, dtype=dtype, device=device)
-    if adapter:
-        from ..bench import load_adapted_drafter
+    from ..loading import load_drafter
 
-        drafter = load_adapted_drafter(args.drafter, adapter, target, dtype=drafter_dtype, int8=int8)
-        drafter.check_target(target)
-    else:
-        from ..loading import load_drafter
-
-        drafter = load_drafter(args.drafter, target, precision=args.drafter_dtype, cpu_kernels=args.cpu_kernels)
-    if device.type == "cpu":  # load_drafter chose the drafter's kernels already; the adapted drafter's are set here
+    drafter = load_drafter(args.drafter, target, precision=args.drafter_dtype, cpu_kernels=args.cpu_kernels,
+                           adapter=adapter)
+    if device.type == "cpu":
         from ..cpu_kernels import cpu_kernels_summary
 
-        drafter_kernels = apply_cpu_kernels(args.cpu_kernels, drafter) if adapter else cpu_kernels_summary(drafter)
-        print(f"cpu kernels: target: {apply_cpu_kernels(args.cpu_kernels, target)}; drafter: {drafter_kernels}")
+        print(f"cpu kernels: target: {apply_cpu_kernels(args.cpu_kernels, target)}; "
+              f"drafter: {cpu_kernels_summary(drafter)}")
     return target, tokenizer, drafter, (dtype_label, drafter_dtype_label)
 
 
