@@ -189,3 +189,4 @@ def test_prepare_train_lora_generate(tmp_path, monkeypatch, capsys):
     roles = tmp_path / "roles.json"
     roles.write_text(json.dumps([{"conversations": [{"from": "bot", "value": "hi"}]}]))
     assert main(["prepare-data", *args, "--source", str(roles), "--output-dir", str(tmp_path / "roles")]) == 1  # 0 kept
+    assert not (tmp_path / "roles").exists()  # no folder left behind that a rerun with fixed input would find "done"

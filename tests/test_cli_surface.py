@@ -118,6 +118,7 @@ def no_model_loads(monkeypatch):
      "(gemma3-270m, smollm2), no folder there, not a Hub id (org/name); did you mean 'smollm2'?"),
     (["bench", "--drafter", "fresh", "--output-dir", "o", "--target", "./no-such-target"], "unknown target './no-such"),
     (["prepare-data", "--output-dir", "o", "--target", "a/b/c"], "--target: unknown target 'a/b/c'"),
+    (["train", "--data", "d", "--output-dir", "o", "--target", "smolm2"], "--target: unknown target 'smolm2'"),
     (["generate", "--prompt", "x", "--adapter", "/no/such/adapter"], "--adapter: no adapter folder at '/no/such/adapter'"),
 ])
 def test_options_checked_before_any_model_loads(no_model_loads, capsys, argv, problem):

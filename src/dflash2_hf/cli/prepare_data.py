@@ -20,6 +20,7 @@ import signal
 import threading
 import json
 import logging
+import os
 import sys
 
 from dflash2_cli.arguments import GENERATION_DTYPES as _DTYPES
@@ -122,6 +123,7 @@ def _run(args: argparse.Namespace, device) -> int:
         print(f"nothing left to do: {args.output_dir} already holds every record of [{args.start}, {args.stop}) "
               "with these settings (a larger --stop adds records)", file=sys.stderr)
         return 0
+    fresh = not os.path.exists(args.output_dir) or not os.listdir(args.output_dir)
     dtype = getattr(torch, _DTYPES[args.dtype])
     model, tokenizer = load_target(args.target, dtype=dtype, device=device)
     if args.original_answers:
@@ -131,6 +133,8 @@ def _run(args: argparse.Namespace, device) -> int:
                                   max_tokens=args.max_prompt_tokens, target_name=args.target, source_path=args.source,
                                   shard_size=args.shard_size, split=args.split)
         print(json.dumps(counts, indent=2, default=str))
+        if not counts.get("kept"):
+            _remove_if_fresh(args.output_dir, fresh)
         return 0 if counts.get("kept") else 1
     note = args.note
     if dtype != torch.float32 and not note:
@@ -148,7 +152,18 @@ def _run(args: argparse.Namespace, device) -> int:
         skipped = dict(counts.get("skipped") or {})
         print(f"dflash2 prepare-data: error: no conversation kept (skipped: {skipped}). Turns need \"from\": "
               "human/user, gpt/assistant or system and a string \"value\" (or chat-style \"messages\" with \"role\" and "
-              "\"content\"); see `dflash2 prepare-data --help`",
+              "\"content\"); see `dflash2 prepare-data --help`" + _remove_if_fresh(args.output_dir, fresh),
               file=sys.stderr)
         return 1
     return 0
+
+
+def _remove_if_fresh(output_dir: str, fresh: bool) -> str:
+    """Removes the folder a run that kept nothing created (a rerun with fixed input would otherwise find every record
+    "done" there); returns what to tell the user."""
+    if not fresh:
+        return ""
+    import shutil
+
+    shutil.rmtree(output_dir, ignore_errors=True)
+    return f"; {output_dir} was not kept, so a rerun with fixed input starts afresh"

@@ -71,6 +71,10 @@ def _bool_or_auto(text: str):
 
 def _add_extras(parser: argparse.ArgumentParser) -> None:
     for action in parser._actions:
+        if action.dest == "target":  # a misspelt alias or a missing folder: refused while parsing, did-you-mean
+            from dflash2_cli.options import target_spec
+
+            action.type = target_spec
         if action.dest == "resume_from_checkpoint":
             action.help = ("continue a run: `last` = the newest complete checkpoint-N in --output-dir, or a "
                            "checkpoint folder")
