@@ -283,3 +283,22 @@ def test_a_batch_without_labels_still_backpropagates_into_a_trainable_selector(t
     assert out.loss.requires_grad and float(out.loss.detach()) == 0.0
     out.loss.backward()
     assert drafter.candidate_selector.successor_codebook.grad is not None
+
+
+def test_lora_init_of_another_drafter_is_refused_before_the_target_loads(tmp_path, monkeypatch):
+    import dflash2_hf.targets
+    from conftest import make_drafter, make_target
+    from dflash2_hf import DFlash2DraftModel, add_lora
+    from dflash2_hf.lora import save_adapter
+
+    target = make_target("llama")
+    make_drafter(target, num_hidden_layers=2).save_pretrained(tmp_path / "two")
+    make_drafter(target, num_hidden_layers=1).save_pretrained(tmp_path / "one")
+    save_adapter(add_lora(DFlash2DraftModel.from_pretrained(tmp_path / "two")), tmp_path / "adapter")
+    monkeypatch.setattr(dflash2_hf.targets, "load_target", lambda *a, **k: pytest.fail("the target was loaded"))
+    (tmp_path / "data").mkdir()
+    with pytest.raises(ValueError, match="--lora-init: The LoRA adapter .* was trained for another drafter "
+                                         r"\(num_hidden_layers: adapter 2 vs drafter 1"):
+        _run_train(["train", "--target", "smollm2", "--data", str(tmp_path / "data"), "--output-dir",
+                    str(tmp_path / "out"), "--init", str(tmp_path / "one"), "--lora", "--lora-init",
+                    str(tmp_path / "adapter")])

@@ -76,6 +76,25 @@ def _fingerprint_fields(drafter) -> dict:
     return {k: getattr(drafter.config, k) for k in _FINGERPRINT_FIELDS}
 
 
+def check_adapter_fits(adapter_path: str | os.PathLike, config, fingerprint: dict | None = None) -> None:
+    """Refuses an adapter whose ``dflash2_adapter.json`` names another drafter than one of ``config`` (a
+    :class:`~dflash2_hf.DFlash2Config`; no weights needed, so ``dflash2 train --init D --lora-init A`` checks it
+    before any work). An adapter without that file passes.
+
+    Raises:
+        AdapterMismatchError: the differing fields, adapter vs drafter.
+    """
+    fingerprint = fingerprint if fingerprint is not None else _stored_fingerprint(adapter_path)
+    if fingerprint is None:
+        return
+    diff = _differing_fields(fingerprint["fields"], {k: getattr(config, k) for k in _FINGERPRINT_FIELDS})
+    if diff:
+        listing = ", ".join(f"{k}: adapter {a!r} vs drafter {b!r}" for k, (a, b) in diff.items())
+        raise AdapterMismatchError(
+            f"The LoRA adapter in {str(adapter_path)!r} was trained for another drafter ({listing}). Load the drafter "
+            "it was trained on (see adapter_config.json: base_model_name_or_path) or train a new adapter.")
+
+
 def _differing_fields(expected: dict, actual: dict) -> dict:
     """``{field: (expected value, actual value)}`` for every fingerprint field of ``actual`` that differs."""
     return {k: (expected.get(k), v) for k, v in actual.items() if expected.get(k) != v}
@@ -342,14 +361,7 @@ def load_adapter(drafter, adapter_path: str | os.PathLike, is_trainable: bool = 
         logger.warning(f"{str(adapter_path)!r} has no {FINGERPRINT_FILE}: cannot check that this adapter was trained "
                        "for this drafter (save adapters with dflash2_hf.lora.save_adapter or `dflash2 train --lora`)")
     else:
-        # shapes first: the weights digest only when they match
-        diff = _differing_fields(fingerprint["fields"], _fingerprint_fields(drafter))
-        if diff:
-            listing = ", ".join(f"{k}: adapter {a!r} vs drafter {b!r}" for k, (a, b) in diff.items())
-            raise AdapterMismatchError(
-                f"The LoRA adapter in {str(path)!r} was trained for another drafter ({listing}). Load the drafter it "
-                "was trained on (see adapter_config.json: base_model_name_or_path) or train a new adapter."
-            )
+        check_adapter_fits(adapter_path, drafter.config, fingerprint)  # shapes first: the weights only when they match
         expected_digest = fingerprint.get("weights_sha256_16")
         actual_digest = digest_mismatch(drafter, expected_digest, what="base drafter weights")
         if actual_digest:

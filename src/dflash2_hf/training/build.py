@@ -10,22 +10,44 @@ from ..errors import CheckpointError
 logger = logging.getLogger(__name__)
 
 
-def check_lora_init(lora) -> None:
-    """A local ``lora_init`` folder must hold an adapter (checked before any expensive work).
+def check_lora_init(lora, init: str | None = None) -> None:
+    """A local ``lora_init`` folder must hold an adapter of the ``init`` drafter (when that is a local folder, its
+    config is compared with the adapter's fingerprint); checked before any expensive work.
 
     Raises:
-        ValueError: ``dflash2_hf.lora.check_adapter_folder``'s message.
+        ValueError: ``dflash2_hf.lora.check_adapter_folder``'s or ``check_adapter_fits``' message.
     """
     if not (lora.lora and lora.lora_init):
         return
     from ..hub import is_local_path
-    from ..lora import check_adapter_folder
+    from ..lora import AdapterMismatchError, check_adapter_fits, check_adapter_folder
 
     if is_local_path(lora.lora_init):
         try:
             check_adapter_folder(lora.lora_init)
-        except (FileNotFoundError, CheckpointError) as err:
+            config = _local_drafter_config(init)
+            if config is not None:
+                check_adapter_fits(lora.lora_init, config)
+        except (FileNotFoundError, CheckpointError, AdapterMismatchError) as err:
             raise ValueError(f"--lora-init: {err}") from err
+
+
+def _local_drafter_config(init: str | None):
+    """The DFlash2Config of a local (or shipped) ``--init`` drafter, or None where it cannot be read cheaply (a Hub
+    id, another format): the adapter is then checked against the loaded drafter, after the target loads."""
+    import os
+
+    from ..shipped import resolve_name_or_path
+
+    try:
+        path = resolve_name_or_path(init) if init else None
+        if path is None or not os.path.isfile(os.path.join(path, "config.json")):
+            return None
+        from ..configuration_dflash2 import DFlash2Config
+
+        return DFlash2Config.from_pretrained(path)
+    except Exception:  # noqa: BLE001 - the full check after loading names any problem
+        return None
 
 
 def wrap_model(drafter, args):

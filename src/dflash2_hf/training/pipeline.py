@@ -173,7 +173,7 @@ def train(data: DataArguments, training_args: DFlash2TrainingArguments, drafter:
     drafter, lora, features = drafter or DrafterArguments(), lora or LoraArguments(), features or FeatureArguments()
     device = _setup(data, features, training_args)
     training_args.distill_weight = check_run(data, features, drafter, lora, training_args)
-    check_lora_init(lora)
+    check_lora_init(lora, drafter.init)
     t_start = time.time()
     resume_from = resolve_resume(training_args)
     check_output_dir(training_args, resume_from, data, features)
