@@ -302,3 +302,24 @@ def test_lora_init_of_another_drafter_is_refused_before_the_target_loads(tmp_pat
         _run_train(["train", "--target", "smollm2", "--data", str(tmp_path / "data"), "--output-dir",
                     str(tmp_path / "out"), "--init", str(tmp_path / "one"), "--lora", "--lora-init",
                     str(tmp_path / "adapter")])
+
+
+def test_an_init_that_is_no_drafter_is_refused_with_the_training_fix(tmp_path, monkeypatch):
+    import dflash2_hf.targets
+    from conftest import make_drafter, make_target
+    from dflash2_hf import DFlash2DraftModel, add_lora
+    from dflash2_hf.lora import save_adapter
+
+    target = make_target("llama")
+    make_drafter(target).save_pretrained(tmp_path / "drafter")
+    save_adapter(add_lora(DFlash2DraftModel.from_pretrained(tmp_path / "drafter")), tmp_path / "adapter")
+    target.save_pretrained(tmp_path / "target")
+    monkeypatch.setattr(dflash2_hf.targets, "load_target", lambda *a, **k: pytest.fail("the target was loaded"))
+    (tmp_path / "data").mkdir()
+    base = ["train", "--target", "smollm2", "--data", str(tmp_path / "data"), "--output-dir", str(tmp_path / "out")]
+    for init, message in ((tmp_path / "missing", "no drafter folder there. Leave out --init"),
+                          (tmp_path / "adapter", "is a LoRA adapter, not a drafter. To go on training it: --init "
+                                                 ".* --lora --lora-init"),
+                          (tmp_path / "target", "not a dflash2 drafter.*leave it out to train a fresh one")):
+        with pytest.raises(ValueError, match=message):
+            _run_train([*base, "--init", str(init)])

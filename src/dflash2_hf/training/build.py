@@ -10,6 +10,47 @@ from ..errors import CheckpointError
 logger = logging.getLogger(__name__)
 
 
+def check_init(init: str | None) -> None:
+    """A local ``--init`` must be a drafter folder (checked before the target loads), with the training fix named:
+    a missing folder (leave out ``--init`` for a fresh drafter), a LoRA adapter (``--init BASE --lora --lora-init
+    ADAPTER`` goes on training it), a target or other model folder, an incomplete one.
+
+    Raises:
+        ValueError: what the folder is and the option to use instead.
+    """
+    import json
+    import os
+
+    from ..checkpoint import check_folder
+    from ..hub import is_local_path
+    from ..shipped import resolve_name_or_path
+
+    if not init:
+        return
+    try:
+        path = resolve_name_or_path(init)
+    except (OSError, ValueError) as err:
+        raise ValueError(f"--init {init}: {err}") from err
+    if not is_local_path(path):
+        return  # a Hub id: from_pretrained resolves it (and says so when the Hub cannot be reached)
+    if not os.path.exists(path):
+        raise ValueError(f"--init {init}: no drafter folder there. Leave out --init to train a fresh drafter sized for "
+                         "the target, or name a trained drafter's folder.")
+    adapter_config = os.path.join(path, "adapter_config.json")
+    if os.path.isfile(adapter_config) and not os.path.isfile(os.path.join(path, "config.json")):
+        try:
+            base = json.load(open(adapter_config)).get("base_model_name_or_path") or "BASE"
+        except (OSError, ValueError):
+            base = "BASE"
+        raise ValueError(f"--init {init}: is a LoRA adapter, not a drafter. To go on training it: --init {base} "
+                         f"--lora --lora-init {init}")
+    try:
+        check_folder(path, config_passed=False)
+    except CheckpointError as err:
+        raise ValueError(f"--init {init}: {err} (--init takes a trained drafter; leave it out to train a fresh one "
+                         "for the target)") from err
+
+
 def check_lora_init(lora, init: str | None = None) -> None:
     """A local ``lora_init`` folder must hold an adapter of the ``init`` drafter (when that is a local folder, its
     config is compared with the adapter's fingerprint); checked before any expensive work.

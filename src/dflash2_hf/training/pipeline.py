@@ -28,7 +28,7 @@ import time
 
 import torch
 
-from .build import build_drafter, check_draft_vocab, check_lora_init, choose_draft_vocab, wrap_model
+from .build import build_drafter, check_draft_vocab, check_init, check_lora_init, choose_draft_vocab, wrap_model
 from .config import (
     DataArguments,
     DFlash2TrainingArguments,
@@ -173,6 +173,7 @@ def train(data: DataArguments, training_args: DFlash2TrainingArguments, drafter:
     drafter, lora, features = drafter or DrafterArguments(), lora or LoraArguments(), features or FeatureArguments()
     device = _setup(data, features, training_args)
     training_args.distill_weight = check_run(data, features, drafter, lora, training_args)
+    check_init(drafter.init)
     check_lora_init(lora, drafter.init)
     t_start = time.time()
     resume_from = resolve_resume(training_args)
