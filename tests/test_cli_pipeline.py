@@ -182,7 +182,7 @@ def test_prepare_train_lora_generate(tmp_path, monkeypatch, capsys):
     assert main(["prepare-data", *args, "--source", str(other), "--output-dir", str(tmp_path / "other")]) == 0
     assert json.load(open(tmp_path / "other" / "dflash2_dataset.json"))["counts"]["kept"] == 1
     bad = tmp_path / "bad.json"
-    bad.write_text('{"not": "an array"}')
+    bad.write_text('"not an array"')
     assert main(["prepare-data", *args, "--source", str(bad), "--output-dir", str(tmp_path / "bad-out")]) == 2
     assert main(["prepare-data", *args, "--source", str(tmp_path / "nope.json"), "--output-dir", str(tmp_path / "x")]) == 2
     assert not (tmp_path / "bad-out").exists() and not (tmp_path / "x").exists()  # nothing written

@@ -142,11 +142,17 @@ def test_reader_truncated_array(tmp_path):
     assert [i for i, _ in iter_sharegpt(2, None, path=path)] == [2, 3]
 
 
-def test_reader_rejects_garbage(tmp_path):
+def test_reader_rejects_garbage_and_reads_json_lines(tmp_path):
     bad = tmp_path / "bad.json"
-    bad.write_text('{"not": "an array"}')
-    with pytest.raises(ValueError, match="not a JSON array"):
+    bad.write_text('"just a string"')
+    with pytest.raises(ValueError, match="not a JSON array nor JSON Lines"):
         list(ShareGPTReader(bad))
+    lines = tmp_path / "chats.jsonl"
+    lines.write_text('{"id": "a", "conversations": []}\n\n{"id": "b", "conversations": []}\n')
+    assert [(i, r["id"]) for i, r in ShareGPTReader(lines)] == [(0, "a"), (1, "b")]
+    lines.write_text('{"id": "a"}\n{"id": \n')
+    with pytest.raises(ValueError, match="line 2 is no JSON record"):
+        list(ShareGPTReader(lines))
     bad.write_text('[{"a": 1} {"b": 2}]')
     with pytest.raises(ValueError, match="expected ','"):
         list(ShareGPTReader(bad))

@@ -178,10 +178,10 @@ def add_prepare_data_arguments(parser: argparse.ArgumentParser) -> None:
                         help="split the shards belong to (default train; dev: evaluation data, e.g. ShareGPT "
                              "[16000, 17000) or a validation --source)")
     parser.add_argument("--source", default=None,
-                        help="a ShareGPT-format JSON array file (your own conversations: a list of {\"id\", "
+                        help="a ShareGPT-format JSON array or JSON Lines file (your own conversations: {\"id\", "
                              "\"conversations\": [{\"from\": \"human\"|\"gpt\"|\"system\", \"value\"}]}) instead of the "
                              "packaged ShareGPT; chat-style records {\"messages\": [{\"role\", \"content\"}]} work too; record ids "
-                             "are the indexes in the array")
+                             "are the indexes in the file")
     parser.add_argument("--start", type=non_negative_int, default=None,
                         help="first record (default: the split's first: train 0, dev 16000; with --source 0)")
     parser.add_argument("--stop", type=positive_int, default=None,

@@ -79,15 +79,16 @@ def _generate(target, contexts: list[list[int]], max_new_tokens: int, stop_ids: 
 
 
 def _check_source_file(path: Path) -> None:
-    """Raises FileNotFoundError / ValueError for a --source file that is missing or not a JSON array, before any
-    output is written."""
+    """Raises FileNotFoundError / ValueError for a --source file that is missing or neither a JSON array nor JSON
+    Lines, before any output is written."""
     if not path.is_file():
-        raise FileNotFoundError(f"--source {path}: no such file (expected a ShareGPT-format JSON array)")
+        raise FileNotFoundError(f"--source {path}: no such file (expected a ShareGPT-format JSON array or JSON Lines)")
     with open(path, "r", encoding="utf-8", errors="replace") as f:
         head = f.read(4096).lstrip()
-    if not head.startswith("["):
-        raise ValueError(f"--source {path}: not a JSON array (starts with {head[:1]!r}); expected "
-                         '[{"conversations": [{"from": "human", "value": "..."}, ...]}, ...]')
+    if not head.startswith(("[", "{")):
+        raise ValueError(f"--source {path}: not a JSON array nor JSON Lines (starts with {head[:1]!r}); expected "
+                         '[{"conversations": [{"from": "human", "value": "..."}, ...]}, ...] or one such record '
+                         "per line")
 
 
 def prepare_data(target, tokenizer, out_dir: str | os.PathLike, start: int = 0, stop: int = 16000,

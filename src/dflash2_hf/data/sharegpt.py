@@ -66,13 +66,15 @@ def check_range(start: int, stop: int | None, allow_heldout: bool = False) -> in
 
 
 class ShareGPTReader:
-    """Iterate over ``(record_index, record)`` of a (possibly truncated) JSON array file.
+    """Iterate over ``(record_index, record)`` of a (possibly truncated) JSON array file, or of a JSON Lines file (one
+    record per line; a file whose first character is ``{``).
 
     After the iteration ends, ``num_records`` is the number of whole records decoded (all of them, when the
     iteration ran to the end of the readable data), ``truncated`` tells whether the file ended mid-record
     and ``complete`` whether the iteration reached the end of the readable data.
 
-    Raises ValueError if the file does not start with a JSON array or holds garbage between records.
+    Raises ValueError if the file is neither a JSON array nor JSON Lines, or holds garbage between records (the
+    line, in JSON Lines).
     """
 
     def __init__(self, path: str | Path | None = None, chunk_chars: int = _CHUNK):
@@ -89,8 +91,12 @@ class ShareGPTReader:
             buf = f.read(self.chunk_chars)
             eof = not buf
             pos = _skip_ws(buf, 0)
+            if pos < len(buf) and buf[pos] == "{":  # JSON Lines: one record per line
+                yield from self._json_lines()
+                return
             if pos >= len(buf) or buf[pos] != "[":
-                raise ValueError(f"{self.path}: not a JSON array (first character {buf[pos:pos + 1]!r})")
+                raise ValueError(f"{self.path}: not a JSON array nor JSON Lines (first character "
+                                 f"{buf[pos:pos + 1]!r})")
             pos += 1
             expect_comma = False
             while True:
@@ -140,6 +146,22 @@ class ShareGPTReader:
         self.complete = True
         logger.info("%s: %d whole records%s", self.path.name, self.num_records,
                     " (file truncated mid-record after them)" if self.truncated else "")
+
+
+    def _json_lines(self) -> Iterator[tuple[int, dict]]:
+        with open(self.path, "r", encoding="utf-8") as f:
+            for line_number, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    obj = json.loads(line)
+                except json.JSONDecodeError as err:
+                    raise ValueError(f"{self.path}: line {line_number} is no JSON record ({err.msg}); a JSON Lines "
+                                     "file holds one record per line") from None
+                index = self.num_records
+                self.num_records += 1
+                yield index, obj
+        self.complete = True
 
 
 def _skip_ws(buf: str, pos: int) -> int:
