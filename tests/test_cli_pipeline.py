@@ -190,3 +190,12 @@ def test_prepare_train_lora_generate(tmp_path, monkeypatch, capsys):
     roles.write_text(json.dumps([{"conversations": [{"from": "bot", "value": "hi"}]}]))
     assert main(["prepare-data", *args, "--source", str(roles), "--output-dir", str(tmp_path / "roles")]) == 1  # 0 kept
     assert not (tmp_path / "roles").exists()  # no folder left behind that a rerun with fixed input would find "done"
+    own.write_text(json.dumps([{"id": f"c{i}", "conversations": [{"from": "human", "value": f"new question {i}"}]}
+                               for i in range(3)]))  # the same file name with other conversations: refused
+    assert main(["prepare-data", *args, "--source", str(own), "--output-dir", str(tmp_path / "own")]) == 2
+    assert "the file's contents changed" in capsys.readouterr().err
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "keep.txt").write_text("mine")  # a folder of other files: refused, nothing added
+    assert main(["prepare-data", *args, "--source", str(other), "--output-dir", str(tmp_path / "notes")]) == 2
+    assert "holds files that are no dflash2 dataset (keep.txt)" in capsys.readouterr().err
+    assert sorted(p.name for p in (tmp_path / "notes").iterdir()) == ["keep.txt"]

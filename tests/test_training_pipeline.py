@@ -140,6 +140,14 @@ def test_cli_trains_online_without_a_cache_and_decodes_losslessly(tmp_path, monk
                  "--resume-from-checkpoint", "last", "--disable-tqdm", "true"]) == 0
     summary = json.loads((out / "training_summary.json").read_text())
     assert summary["resumed_from"].endswith("checkpoint-3") and summary["global_step"] == 4
+    # the same folder again, not resuming: refused; with --overwrite-output-dir emptied first (no old checkpoint
+    # left for a later `--resume-from-checkpoint last` to pick up)
+    again = ["train", "--target", t, "--data", str(tmp_path / "regen"), "--features", "online", "--num-layers", "1",
+             "--block-size", "4", "--num-blocks", "4", "--max-steps", "1", "--output-dir", str(out),
+             "--disable-tqdm", "true"]
+    assert main(again) == 2 and (out / "checkpoint-3").is_dir()
+    assert main([*again, "--overwrite-output-dir", "true"]) == 0
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-1"]
 
 
 def test_train_only_selector_changes_the_selector_and_nothing_else(tmp_path, monkeypatch):
@@ -240,6 +248,12 @@ def test_an_output_dir_holding_a_drafter_or_another_run_is_refused_and_kept(tmp_
         with pytest.raises(ValueError, match=message):
             _run_train([*base, *extra])
     assert (old / "model.safetensors").read_bytes() == b"weights of an earlier run" and not (tmp_path / "new").exists()
+    adapter_only = tmp_path / "adapter-only"
+    adapter_only.mkdir()
+    (adapter_only / "adapter_config.json").write_text("{}")
+    with pytest.raises(ValueError, match="already holds an adapter .*Choose a new --output-dir, or pass") as refused:
+        _run_train([*base, "--output-dir", str(adapter_only)])
+    assert "resume" not in str(refused.value)  # no checkpoint there to resume
 
 
 def _run_train(argv):

@@ -104,9 +104,11 @@ def _settings(args: argparse.Namespace) -> dict:
     loads: a folder made with the same ones and holding every record of the range has nothing left to do."""
     from pathlib import Path
 
+    from ..data.hub_dataset import source_sha256
     from ..data.sharegpt import SHAREGPT_FILE
 
-    return {"target.name": args.target, "target.dtype": _DTYPES[args.dtype],
+    source = {"source.sha256": source_sha256(args.source)} if args.source and os.path.isfile(args.source) else {}
+    return {**source, "target.name": args.target, "target.dtype": _DTYPES[args.dtype],
             "generation.max_new_tokens": args.max_new_tokens, "generation.max_prompt_tokens": args.max_prompt_tokens,
             "generation.max_turns": args.max_turns, "source.dataset": Path(args.source).name if args.source else SHAREGPT_FILE,
             "source.filter": "code" if args.only_code else {}}

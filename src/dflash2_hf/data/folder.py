@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import Iterable
 
 from .hub_dataset import check_same_provenance, folder_counts, write_folder_meta
-from .prepared import done_record_ids, get_dotted, is_dataset_folder, read_dataset_meta, read_meta, refuse_legacy, shard_files
+from .prepared import (DATASET_META, done_record_ids, get_dotted, is_dataset_folder, read_dataset_meta, read_meta,
+                       refuse_legacy, shard_files)
 from .shards import ShardWriter, rank_and_world_size
 
 logger = logging.getLogger(__name__)
@@ -37,7 +38,8 @@ class RegenerationFolder:
         run: this run's record in ``dflash2_dataset.json`` (add fields to it; rank 0 writes it with every shard).
 
     Raises:
-        ValueError: the folder (or a ``skip_records_in`` folder) holds data made with other settings.
+        ValueError: the folder (or a ``skip_records_in`` folder) holds data made with other settings, or files that
+            are no dataset.
         PreparedDataError: ``dataset_dir`` is a JSONL folder of an older version.
     """
 
@@ -48,6 +50,11 @@ class RegenerationFolder:
         self.rank, self.world_size = rank_and_world_size()
         if is_dataset_folder(self.root):
             check_same_provenance(read_meta(self.root), prov, self.root)
+        elif self.root.is_dir() and (names := sorted(  # what a dataset folder holds itself (another rank's start)
+                p.name for p in self.root.iterdir() if p.name not in ("data", "README.md", DATASET_META)
+                and not p.name.startswith("."))):
+            raise ValueError(f"{self.root} holds files that are no dflash2 dataset ({', '.join(names[:5])}"
+                             f"{', ...' if len(names) > 5 else ''}): write to a new or empty --output-dir")
         self.done = done_record_ids(self.root)
         if self.done and self.rank == 0:
             logger.info("resuming: %d records already in %d shards", len(self.done), len(shard_files(self.root)))

@@ -30,8 +30,21 @@ OPTION_OF = {
     "generation.max_new_tokens": "--max-new-tokens", "generation.max_prompt_tokens": "--max-prompt-tokens",
     "generation.max_tokens": "--max-prompt-tokens", "generation.max_turns": "--max-turns",
     "generation.stop_token_ids": "--target (its stop tokens)", "source.dataset": "--source",
-    "source.filter": "--only-code",
+    "source.filter": "--only-code", "source.sha256": "--source (the file's contents changed)",
 }
+_ADDED_LATER = {"source.sha256"}  # a folder made before this key was recorded resumes without it
+
+
+def source_sha256(path: str | os.PathLike) -> str:
+    """sha256 of a ``--source`` file's bytes (recorded in the provenance, so a rerun with a changed file under the
+    same name is refused instead of skipping the records the old file held)."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def provenance(run_meta: dict) -> dict:
@@ -46,7 +59,8 @@ def provenance(run_meta: dict) -> dict:
 
 def check_same_provenance(folder: dict, new: dict, root: str | os.PathLike) -> None:
     """Raises ValueError naming each option whose value differs between a folder's provenance and a new run's."""
-    diff = [k for k in OPTION_OF if get_dotted(folder, k) != get_dotted(new, k)]
+    diff = [k for k in OPTION_OF if get_dotted(folder, k) != get_dotted(new, k)
+            and not (k in _ADDED_LATER and get_dotted(folder, k) is None)]
     if diff:
         def show(v):
             return None if v == {} else v

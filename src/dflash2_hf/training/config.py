@@ -231,8 +231,8 @@ class DFlash2TrainingArguments(TrainingArguments):
             top-k logits, ``distill_topk``); ``None``: 0.5 with ``distill_topk``, else 0.
         modules_to_save_learning_rate (`float`, *optional*): learning rate of the modules a LoRA adapter trains in
             full (peft ``modules_to_save``), when it should differ from ``learning_rate`` (the LoRA layers').
-        overwrite_output_dir (`bool`): allow an ``output_dir`` that already holds files when not resuming
-            (:func:`check_output_dir`).
+        overwrite_output_dir (`bool`): train into an ``output_dir`` that already holds files when not resuming:
+            the folder is emptied first (:func:`check_output_dir`).
     """
 
     loss_gamma: float | None = field(default=None, metadata={"aliases": ["--gamma"],
@@ -248,7 +248,7 @@ class DFlash2TrainingArguments(TrainingArguments):
         "aliases": ["--lora-modules-lr"], "help": "learning rate of a LoRA adapter's fully trained modules"})
     overwrite_output_dir: bool = field(default=False, metadata={
         "help": "train into an --output-dir that already holds files (a drafter, an adapter, another run's "
-                "checkpoints), replacing what this run writes; without it such a folder is refused"})
+                "checkpoints): the folder is emptied first; without it such a folder is refused"})
 
 
 def default_training_arguments(output_dir: str, **overrides) -> DFlash2TrainingArguments:
@@ -290,8 +290,9 @@ def check_output_dir(training_args: DFlash2TrainingArguments, resume_from: str |
             else "checkpoints of another run" if any(e.startswith("checkpoint-") for e in entries) else "files")
     shown = ", ".join(entries[:5]) + (", ..." if len(entries) > 5 else "")
     raise ValueError(f"--output-dir {out} already holds {held} ({shown}): a new run would overwrite or mix with it. "
-                     "Choose a new --output-dir, continue that run with --resume-from-checkpoint last, or pass "
-                     "--overwrite-output-dir true to replace it.")
+                     "Choose a new --output-dir, " + ("continue that run with --resume-from-checkpoint last, "
+                     if any(e.startswith("checkpoint-") for e in entries) else "") +
+                     "or pass --overwrite-output-dir true to empty it first.")
 
 
 def check_run(data: DataArguments, features: FeatureArguments, drafter: DrafterArguments, lora: LoraArguments,

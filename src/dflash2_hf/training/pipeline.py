@@ -178,6 +178,12 @@ def train(data: DataArguments, training_args: DFlash2TrainingArguments, drafter:
     t_start = time.time()
     resume_from = resolve_resume(training_args)
     check_output_dir(training_args, resume_from, data, features)
+    if training_args.overwrite_output_dir and resume_from is None and training_args.process_index == 0 \
+            and not (data.eval_only or features.features_only) and os.path.isdir(training_args.output_dir):
+        import shutil  # replaced as a whole: an old checkpoint left there would be what `resume ... last` picks
+
+        logger.info("--overwrite-output-dir: emptying %s", training_args.output_dir)
+        shutil.rmtree(training_args.output_dir)
     online = features.features == "online"
     with training_args.main_process_first(desc="target"):  # a first load may convert and cache it
         target, tokenizer = load_target(data.target, dtype=features.compute_dtype() if online else torch.float32,
