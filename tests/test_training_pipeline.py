@@ -237,6 +237,7 @@ def test_an_output_dir_holding_a_drafter_or_another_run_is_refused_and_kept(tmp_
     (old / "model.safetensors").write_bytes(b"weights of an earlier run")
     (old / "checkpoint-4").mkdir()
     (tmp_path / "chats.jsonl").write_text("{}\n")
+    (tmp_path / "runs-x").mkdir()  # runs-x/dev: a missing folder under an existing one (no Hub id)
     base = ["train", "--target", "smollm2", "--data", "data", "--max-steps", "1", "--num-threads", "1"]
     for extra, message in (
             (["--output-dir", str(old)],
@@ -244,7 +245,9 @@ def test_an_output_dir_holding_a_drafter_or_another_run_is_refused_and_kept(tmp_
             (["--output-dir", str(old), "--resume-from-checkpoint", str(tmp_path / "nope")], "no such checkpoint"),
             ([], "--output-dir is required"),
             (["--output-dir", "new", "--data", "chats.jsonl"],  # a conversations FILE: the command making a folder
-             "is a file; --data takes a prepared data folder.*prepare-data --source")):
+             "is a file; --data takes a prepared data folder.*prepare-data --source"),
+            (["--output-dir", "new", "--data", "./no-such-data"], "--data ./no-such-data: no such folder"),
+            (["--output-dir", "new", "--eval-data", "runs-x/dev"], "--eval-data runs-x/dev: no such folder")):
         with pytest.raises(ValueError, match=message):
             _run_train([*base, *extra])
     assert (old / "model.safetensors").read_bytes() == b"weights of an earlier run" and not (tmp_path / "new").exists()

@@ -111,6 +111,8 @@ def _stock_linears(drafter):
 
     if is_optimized(drafter):
         restore_stock_kernels(drafter)
+        if getattr(drafter, "dflash2_loading", None):  # what load_drafter reported: the kernels changed since
+            drafter.dflash2_loading += " -> stock CPU kernels since an adapter was added"
         logger.info("LoRA: the drafter's prepacked CPU linears are back on stock kernels (a merge writes into their "
                     "weights); call optimize_for_cpu() on the merged drafter")
     return drafter

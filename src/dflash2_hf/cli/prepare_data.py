@@ -125,6 +125,10 @@ def _run(args: argparse.Namespace, device) -> int:
         print(f"nothing left to do: {args.output_dir} already holds every record of [{args.start}, {args.stop}) "
               "with these settings (a larger --stop adds records)", file=sys.stderr)
         return 0
+    if args.source:  # a missing file or one of another format: refused before the target loads
+        from ..data.regenerate import check_source_file
+
+        check_source_file(args.source)
     fresh = not os.path.exists(args.output_dir) or not os.listdir(args.output_dir)
     dtype = getattr(torch, _DTYPES[args.dtype])
     model, tokenizer = load_target(args.target, dtype=dtype, device=device)

@@ -78,9 +78,10 @@ def _generate(target, contexts: list[list[int]], max_new_tokens: int, stop_ids: 
 # ----------------------------------------------------------------------------------------------- main entry
 
 
-def _check_source_file(path: Path) -> None:
+def check_source_file(path: str | os.PathLike) -> None:
     """Raises FileNotFoundError / ValueError for a --source file that is missing or neither a JSON array nor JSON
     Lines, before any output is written."""
+    path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"--source {path}: no such file (expected a ShareGPT-format JSON array or JSON Lines)")
     with open(path, "r", encoding="utf-8", errors="replace") as f:
@@ -153,7 +154,7 @@ def prepare_data(target, tokenizer, out_dir: str | os.PathLike, start: int = 0, 
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("the tokenizer has no chat template: cannot render conversations the way the target serves")
     if source_path is not None:
-        _check_source_file(Path(source_path))
+        check_source_file(source_path)
     if num_threads:
         torch.set_num_threads(num_threads)
     stop_ids = _stop_ids(target, tokenizer)

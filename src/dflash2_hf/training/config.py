@@ -302,8 +302,15 @@ def check_run(data: DataArguments, features: FeatureArguments, drafter: DrafterA
     Raises:
         ValueError: a combination that cannot run (the message names the options).
     """
+    from ..hub import is_local_path
+
     if data.data is None and not data.eval_only:
         raise ValueError("--data is required (a prepared data folder)")
+    for option, folder in (("--data", data.data), *(("--extra-data", d) for d in data.extra_data or ()),
+                           ("--eval-data", data.eval_data)):
+        if folder and not os.path.exists(folder) and is_local_path(folder):  # org/name: a Hub data set
+            raise ValueError(f"{option} {folder}: no such folder (a `dflash2 prepare-data` output folder or a Hub "
+                             "data set id)")
     if data.data is not None and os.path.isfile(data.data):
         raise ValueError(f"--data {data.data}: is a file; --data takes a prepared data folder. Make one from a "
                          "conversations file with `dflash2 prepare-data --source FILE --output-dir DIR` "
