@@ -383,7 +383,8 @@ def test_add_lora_takes_a_drafter_only(targets):
     with pytest.raises(DrafterArgumentTypeError, match=r"got a LlamaForCausalLM .*peft.get_peft_model"):
         add_lora(targets["llama"])
     assert not any("lora_" in n for n, _ in targets["llama"].named_modules())
-    with pytest.raises(DrafterArgumentTypeError, match="already carries a LoRA adapter.*merge_and_unload"):
+    with pytest.raises(DrafterArgumentTypeError, match=r"add_lora\(drafter\): this drafter already carries a LoRA "
+                       "adapter.*merge_and_unload"):
         add_lora(add_lora(make_drafter(targets["llama"])))
     with pytest.raises(DrafterArgumentTypeError, match=r"extract_adapter.*finetuned.*got a LlamaForCausalLM"):
         extract_adapter(make_drafter(targets["llama"]), targets["llama"], lora_config())
@@ -398,6 +399,9 @@ def test_save_adapter_of_a_plain_drafter_writes_nothing(targets, tmp_path):
     assert not (tmp_path / "out").exists()
     with pytest.raises(DrafterArgumentTypeError, match="got a LlamaForCausalLM"):
         save_adapter(targets["llama"], tmp_path / "out")
+    with pytest.raises(DrafterArgumentTypeError, match=r"arguments swapped\?.*save_adapter\(peft_model, "):
+        save_adapter(str(tmp_path / "out"), add_lora(make_drafter(targets["llama"])))
+    assert not (tmp_path / "out").exists()
     assert not (tmp_path / "out").exists()
 
 

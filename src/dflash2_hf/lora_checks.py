@@ -51,8 +51,10 @@ def check_drafter(drafter, call: str, peft_ok: bool = False, hint: str = "") -> 
     base = drafter.get_base_model() if isinstance(drafter, PeftModel) else drafter
     if isinstance(base, DFlash2DraftModel) and (peft_ok or base is drafter):
         return
-    if isinstance(base, DFlash2DraftModel):  # a PeftModel where a plain drafter belongs
-        hint = " It already carries a LoRA adapter: use it as it is, or call merge_and_unload() first." + hint
+    if isinstance(base, DFlash2DraftModel):  # a PeftModel where a plain drafter belongs: say that first
+        raise DrafterArgumentTypeError(
+            f"{call}: this drafter already carries a LoRA adapter (a PeftModel): use it as it is, or call "
+            f"merge_and_unload() first for a plain drafter.{hint}")
     name = repr(os.fspath(drafter)) if isinstance(drafter, (str, os.PathLike)) else "name"
     raise DrafterArgumentTypeError(
         f"{call}: the drafter must be a loaded DFlash2 drafter (DFlash2DraftModel), got {_given(drafter)}. Load it "
@@ -100,6 +102,9 @@ def check_adapter_save(model, save_directory: str | os.PathLike) -> None:
     from .modeling_dflash2 import DFlash2DraftModel
 
     call = "save_adapter(model, save_directory)"
+    if isinstance(model, (str, os.PathLike)) and hasattr(save_directory, "modules"):
+        raise DrafterArgumentTypeError(f"{call}: got a path first and a model second (arguments swapped?); nothing "
+                                       f"was written. Call it as save_adapter(peft_model, {os.fspath(model)!r}).")
     if isinstance(model, DFlash2DraftModel):
         injected = (" This one holds LoRA layers that load_adapter injected in place: pass the PeftModel it returned."
                     if carries_lora(model) else "")
