@@ -340,3 +340,27 @@ def test_an_init_that_is_no_drafter_is_refused_with_the_training_fix(tmp_path, m
                           (tmp_path / "target", "not a dflash2 drafter.*leave it out to train a fresh one")):
         with pytest.raises(ValueError, match=message):
             _run_train([*base, "--init", str(init)])
+
+
+def test_an_interrupted_train_says_which_checkpoint_is_kept(tmp_path, monkeypatch, capsys):
+    """Ctrl-C or `kill PID` (SIGTERM: the same, through dflash2_hf.cli.sigterm_as_ctrl_c) during `dflash2 train`:
+    exit 130 and name the last complete checkpoint and the option that continues from it."""
+    import os
+    import signal
+
+    import dflash2_hf.training
+    from dflash2_hf.cli import main
+
+    def stopped(**_):
+        (tmp_path / "out" / "checkpoint-4").mkdir(parents=True)
+        (tmp_path / "out" / "checkpoint-4" / "trainer_state.json").write_text("{}")
+        (tmp_path / "out" / "checkpoint-4" / "model.safetensors").write_bytes(b"x")
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(dflash2_hf.training, "train", stopped)
+    before = signal.getsignal(signal.SIGTERM)
+    assert main(["train", "--data", str(tmp_path), "--output-dir", str(tmp_path / "out")]) == 130
+    err = capsys.readouterr().err
+    assert "interrupted: the last complete checkpoint is" in err and "checkpoint-4" in err
+    assert "--resume-from-checkpoint last" in err
+    assert signal.getsignal(signal.SIGTERM) == before  # the handler is restored

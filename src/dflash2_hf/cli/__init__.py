@@ -9,6 +9,7 @@ option answer before torch loads. This file runs a parsed command and holds the 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import sys
 
@@ -40,6 +41,25 @@ def apply_cpu_kernels(spec: str, *models) -> str:
         if spec == "optimized" and next(model.parameters()).device.type == "cpu":
             optimize_for_cpu(model)
     return cpu_kernels_summary(models[0]) if models else "stock CPU kernels"
+
+
+@contextlib.contextmanager
+def sigterm_as_ctrl_c():
+    """Within the block, ``kill PID`` (SIGTERM) stops the command like Ctrl-C (KeyboardInterrupt), so a background
+    run (a shell ignores SIGINT in its background jobs) says what it kept. Main thread only; restored after."""
+    import signal
+    import threading
+
+    def terminate(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    previous = signal.signal(signal.SIGTERM, terminate) if threading.current_thread() is threading.main_thread() \
+        else None
+    try:
+        yield
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 def resolve_device(spec: str):

@@ -16,8 +16,6 @@ Example:
 from __future__ import annotations
 
 import argparse
-import signal
-import threading
 import json
 import logging
 import os
@@ -26,7 +24,7 @@ import sys
 from dflash2_cli.arguments import GENERATION_DTYPES as _DTYPES
 from dflash2_cli.arguments import add_prepare_data_arguments as add_arguments  # noqa: F401 (the options: torch-free)
 
-from . import resolve_device
+from . import resolve_device, sigterm_as_ctrl_c
 
 
 def _torchrun_device(device):
@@ -78,25 +76,17 @@ def run(args: argparse.Namespace) -> int:
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
     device, own_group = _torchrun_device(resolve_device(args.device))
-    # `kill PID` (SIGTERM) stops a background run like Ctrl-C does: a shell ignores SIGINT in its background jobs
-    previous = signal.signal(signal.SIGTERM, _terminate) if threading.current_thread() is threading.main_thread() \
-        else None
     try:
-        return _run(args, device)
+        with sigterm_as_ctrl_c():
+            return _run(args, device)
     except KeyboardInterrupt:
         shards, records = folder_progress(args.output_dir)
         print(f"interrupted: {shards} complete shard(s) ({records} records) kept in {args.output_dir}; rerun the same "
               "command to continue", file=sys.stderr)
         return 130
     finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
         if own_group:
             torch.distributed.destroy_process_group()
-
-
-def _terminate(signum, frame) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def _settings(args: argparse.Namespace) -> dict:

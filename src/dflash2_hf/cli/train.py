@@ -28,6 +28,7 @@ training blocks) and pred_tokens_per_s. docs/distributed_training.md: online fea
 from __future__ import annotations
 
 import argparse
+import sys
 
 from dflash2_cli.arguments import add_train_arguments as add_arguments  # noqa: F401 (the options; need transformers)
 
@@ -36,8 +37,21 @@ def run(args: argparse.Namespace) -> int:
     from ..training import train
     from ..training.parser import configs_from_namespace
 
+    from . import sigterm_as_ctrl_c
+
+    config = configs_from_namespace(args)
     try:
-        train(**configs_from_namespace(args)._asdict())
+        with sigterm_as_ctrl_c():
+            train(**config._asdict())
+    except KeyboardInterrupt:  # Ctrl-C or `kill PID`: say what is kept and how to go on
+        from ..training.records import last_complete_checkpoint
+
+        out = config.training_args.output_dir
+        last = last_complete_checkpoint(out) if out else None
+        print(f"interrupted: {'the last complete checkpoint is ' + last if last else 'no checkpoint was saved yet'}"
+              + ("; continue with the same command plus --resume-from-checkpoint last" if last else ""),
+              file=sys.stderr)
+        return 130
     finally:
         _close_process_group()
     return 0
