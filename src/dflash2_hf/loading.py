@@ -20,12 +20,13 @@ PRECISIONS = ("auto", "int8", "bf16", "fp32")
 
 
 def load_drafter_weights(spec: str | os.PathLike, target, dtype: torch.dtype | None = None, int8: bool = False,
-                         **fresh_overrides):
+                         adapter: str | os.PathLike | None = None, strict: bool = True, **fresh_overrides):
     """The drafter ``spec`` on ``target``'s device in eval mode, in ``dtype`` (default: the target's), or
     quantized for drafting with ``int8=True`` (loaded in float32, then
     :func:`dflash2_hf.quantization.quantize_drafter`). ``spec``: a folder, a Hub id, a shipped name, or ``"fresh"``
     (an untrained drafter sized for ``target``, :meth:`DFlash2DraftModel.from_target`, with ``fresh_overrides``).
-    No target check and no kernel change: :func:`load_drafter` does both."""
+    ``adapter``: a LoRA adapter merged in before any quantization (:func:`dflash2_hf.load_adapter`, ``strict`` as
+    there). No target check and no kernel change: :func:`load_drafter` does both."""
     from .modeling_dflash2 import DFlash2DraftModel
     from .quantization import quantize_drafter
 
@@ -36,6 +37,10 @@ def load_drafter_weights(spec: str | os.PathLike, target, dtype: torch.dtype | N
     else:  # loaded in `dtype` rather than cast after: a cast would also round the float32 rotary frequencies
         drafter = DFlash2DraftModel.from_pretrained(spec, dtype=dtype)
     drafter = drafter.to(param.device).eval()
+    if adapter is not None:  # merged in float: an int8 copy cannot take an adapter
+        from .lora import load_adapter
+
+        drafter = load_adapter(drafter, adapter, strict=strict).merge_and_unload().eval()
     return quantize_drafter(drafter) if int8 else drafter
 
 
@@ -88,17 +93,10 @@ def load_drafter(name_or_path: str | os.PathLike, target, precision: str = "auto
     except ValueError as err:  # int8 where the device has no int8 kernels
         raise ValueError(f"precision={precision!r}: {err}") from None
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}.get(precision)
-    if adapter is None:
-        drafter = load_drafter_weights(name_or_path, target, dtype=dtype, int8=precision == "int8", **fresh_overrides)
-        drafter.check_target(target)
-    else:  # merged in float, then quantized: an int8 copy cannot take an adapter
-        from .lora import load_adapter
-        from .quantization import quantize_drafter
-
-        drafter = load_drafter_weights(name_or_path, target, dtype=dtype or torch.float32, **fresh_overrides)
-        drafter.check_target(target)
-        drafter = load_adapter(drafter, adapter).merge_and_unload().eval()
-        drafter = quantize_drafter(drafter) if precision == "int8" else drafter
+    drafter = load_drafter_weights(name_or_path, target, dtype=dtype, int8=precision == "int8", adapter=adapter,
+                                   **fresh_overrides)
+    drafter.check_target(target)
+    if adapter is not None:
         label = f"{label}; LoRA adapter {os.fspath(adapter)} merged"
     if device.type == "cpu" and cpu_kernels == "optimized":
         optimize_for_cpu(drafter)

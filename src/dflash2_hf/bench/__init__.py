@@ -22,7 +22,7 @@ import os
 import torch
 
 from ..loading import load_drafter_weights
-from ..quantization import parameter_count, quantize_drafter
+from ..quantization import parameter_count
 from .fidelity import annotate_records, calibrate
 from .prompts import Prompt, load_bench_prompts
 from .recorder import ForwardRecorder, per_position_rates
@@ -48,11 +48,7 @@ def load_adapted_drafter(spec: str, adapter_path: str | os.PathLike, target, dty
             a warning when just the base weights differ).
         FileNotFoundError, dflash2_hf.CheckpointError: no adapter there, or a truncated / corrupt one.
     """
-    from ..lora import load_adapter
-
-    base = load_drafter(spec, target, dtype=torch.float32 if int8 else dtype)
-    merged = load_adapter(base, adapter_path, strict=strict).merge_and_unload().eval()
-    return quantize_drafter(merged) if int8 else merged
+    return load_drafter_weights(spec, target, dtype=dtype, int8=int8, adapter=adapter_path, strict=strict)
 
 
 def run_benchmark(target, drafter, prompts: dict[str, list[Prompt]], settings: BenchSettings | None = None,

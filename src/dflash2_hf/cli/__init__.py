@@ -95,7 +95,7 @@ def resolve_dtype(spec: str, device) -> tuple[object, str]:
     """
     import torch
 
-    from ..generation.precision import auto_dtype_label, bf16_support, target_dtype
+    from ..generation.precision import auto_dtype_label, resolve_drafting_precision, target_dtype
 
     if spec == "auto":
         return target_dtype(device), auto_dtype_label(device)
@@ -103,8 +103,7 @@ def resolve_dtype(spec: str, device) -> tuple[object, str]:
         raise ValueError(f"unknown dtype {spec!r}; choose from {', '.join(DTYPES)}")
     if spec in ("fp32", "float32"):
         return torch.float32, "fp32"
-    native, reason = bf16_support(device)
-    return torch.bfloat16, "bf16" if native else f"bf16 (explicit; {reason}: emulated, slower than fp32)"
+    return torch.bfloat16, resolve_drafting_precision("bf16", device)[1]  # the same label as the drafter's
 
 
 def resolve_drafter_dtype(spec: str, device) -> tuple[object, bool, str]:
