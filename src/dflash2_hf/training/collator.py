@@ -71,7 +71,12 @@ def sample_anchors(response_mask: torch.Tensor, num_blocks: int, rng: random.Ran
     least of the response as context, are the hardest to draft. Returns an empty ``(0,)`` tensor when the sequence
     has no valid anchor.
     """
-    cand = valid_anchors(response_mask)
+    return _draw(valid_anchors(response_mask), response_mask, num_blocks, rng, early_tokens, early_weight)
+
+
+def _draw(cand: torch.Tensor, response_mask: torch.Tensor, num_blocks: int, rng: random.Random,
+          early_tokens: int, early_weight: float) -> torch.Tensor:
+    """Up to ``num_blocks`` of the ascending positions ``cand``, sorted, drawn as :func:`sample_anchors` says."""
     if cand.numel() <= num_blocks:
         return cand
     if early_weight == 1.0 or early_tokens <= 0:  # the uniform draw of earlier releases (same RNG stream)
@@ -80,6 +85,29 @@ def sample_anchors(response_mask: torch.Tensor, num_blocks: int, rng: random.Ran
     keys = [rng.random() ** (1.0 / (early_weight if e else 1.0)) for e in early]
     top = sorted(range(len(keys)), key=keys.__getitem__, reverse=True)[:num_blocks]
     return cand[sorted(top)]
+
+
+def sample_anchor_pairs(response_mask: torch.Tensor, num_blocks: int, rng: random.Random,
+                        early_tokens: int = 0, early_weight: float = 1.0) -> torch.Tensor:
+    """Up to ``num_blocks`` anchors drawn as adjacent pairs ``(a - 1, a)``, sorted ascending.
+
+    ``num_blocks // 2`` (at least 1) second anchors ``a`` are drawn as :func:`sample_anchors` draws (``a - 1`` must
+    be a valid anchor too), and each brings its predecessor ``a - 1``; pairs may share anchors, so fewer blocks can
+    result. Block ``a - 1``'s first draft slot predicts token ``a``, so one training pass tells whether the drafter
+    missed the token block ``a`` is anchored on: the anchors the serving loop visits, which mostly follow a
+    rejection (:func:`previous_blocks`, ``post_miss_weight`` in :func:`~dflash2_hf.training.losses.drafter_loss`).
+    """
+    cand = valid_anchors(response_mask)
+    seconds = cand[1:][cand[1:] - 1 == cand[:-1]]
+    chosen = _draw(seconds, response_mask, max(1, num_blocks // 2), rng, early_tokens, early_weight)
+    return torch.unique(torch.cat([chosen - 1, chosen]))  # sorted
+
+
+def previous_blocks(anchors: torch.Tensor) -> torch.Tensor:
+    """``(N,)`` int64: for each of the ascending ``anchors``, the index of the block anchored one position earlier,
+    or -1 when there is none."""
+    where = {int(a): i for i, a in enumerate(anchors.tolist())}
+    return torch.tensor([where.get(int(a) - 1, -1) for a in anchors.tolist()], dtype=torch.long)
 
 
 def block_labels(input_ids: torch.Tensor, response_mask: torch.Tensor, anchors: torch.Tensor, block_size: int,
@@ -140,6 +168,9 @@ class BlockCollator:
     * ``labels`` ``(b, Q)`` int64, ``-100`` where not trained (slot 0, padding, past the response);
     * ``predecessor_ids`` ``(b, Q)`` int64: the true previous token of each labelled slot (for the selector);
     * ``anchors`` ``(b, N)`` int64, ``-1`` for padding blocks;
+    * with ``post_miss_weight != 1``: ``previous_block`` ``(b, N)`` int64, the index of the block anchored one
+      position earlier in the same sequence, -1 where none (anchors are then drawn in pairs,
+      :func:`sample_anchor_pairs`);
     * with distillation targets in the items: ``soft_logits`` ``(b, Q, k)`` float32 and ``soft_ids`` ``(b, Q, k)``
       int64, the target's top-k next-token logits for each slot (meaningful where ``labels`` is set, 0 elsewhere).
 
@@ -162,6 +193,7 @@ class BlockCollator:
     drop_empty: bool = True
     early_anchor_tokens: int = 0
     early_anchor_weight: float = 1.0
+    post_miss_weight: float = 1.0
     epoch: int | None = None
     rng: random.Random = field(init=False, repr=False)
 
@@ -173,6 +205,8 @@ class BlockCollator:
         if self.early_anchor_weight <= 0 or self.early_anchor_tokens < 0:
             raise ValueError(f"early_anchor_weight must be > 0 and early_anchor_tokens >= 0, got "
                              f"{self.early_anchor_weight} and {self.early_anchor_tokens}")
+        if self.post_miss_weight <= 0:
+            raise ValueError(f"post_miss_weight must be > 0, got {self.post_miss_weight}")
         self.rng = random.Random(self.seed)
 
     def _rng_for(self, item: dict) -> random.Random:
@@ -213,8 +247,9 @@ class BlockCollator:
                              "build every feature cache of the run with the same --distill-topk")
         for item in items:
             ids, mask, feats, nxt, soft = self._prepare(item)
-            anchors = sample_anchors(mask, self.num_blocks, self._rng_for(item), self.early_anchor_tokens,
-                                     self.early_anchor_weight)
+            draw = sample_anchor_pairs if self.post_miss_weight != 1.0 else sample_anchors
+            anchors = draw(mask, self.num_blocks, self._rng_for(item), self.early_anchor_tokens,
+                           self.early_anchor_weight)
             if anchors.numel() == 0 and self.drop_empty and len(items) > 1:
                 continue
             prepared.append((ids, mask, feats, anchors, nxt, soft))
@@ -235,6 +270,7 @@ class BlockCollator:
         labels = torch.full((b, Q), IGNORE_INDEX, dtype=torch.long)
         preds = torch.zeros(b, Q, dtype=torch.long)
         anchors_out = torch.full((b, N), -1, dtype=torch.long)
+        prev_out = torch.full((b, N), -1, dtype=torch.long)
         k = prepared[0][5][0].shape[-1] if prepared[0][5] is not None else 0
         soft_logits = torch.zeros(b, Q, k) if k else None
         soft_ids = torch.zeros(b, Q, k, dtype=torch.long) if k else None
@@ -254,6 +290,7 @@ class BlockCollator:
             attn[r, 0, :, T:] = same_block
             if n:
                 anchors_out[r, :n] = anchors
+                prev_out[r, :n] = previous_blocks(anchors)
                 block_ids[r, : n * B : B] = ids[anchors]
                 lab, prv = block_labels(ids, mask, anchors, B, target_next=nxt)
                 labels[r, : n * B] = lab.flatten()
@@ -270,9 +307,12 @@ class BlockCollator:
             "predecessor_ids": preds,
             "anchors": anchors_out,
         }
+        if self.post_miss_weight != 1.0:
+            out["previous_block"] = prev_out
         if k:
             out["soft_logits"], out["soft_ids"] = soft_logits, soft_ids
         return out
 
 
-__all__ = ["BlockCollator", "IGNORE_INDEX", "block_labels", "response_offsets", "sample_anchors", "valid_anchors"]
+__all__ = ["BlockCollator", "IGNORE_INDEX", "block_labels", "previous_blocks", "response_offsets", "sample_anchor_pairs",
+           "sample_anchors", "valid_anchors"]

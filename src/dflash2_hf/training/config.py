@@ -74,6 +74,10 @@ class DataArguments:
     early_anchor_weight: float = field(default=1.0, metadata={
         "metavar": "W", "help": "an anchor among the early tokens of its response is W times as likely to be drawn "
                                 "as a later one (1: uniform)"})
+    post_miss_weight: float = field(default=1.0, metadata={
+        "metavar": "W", "help": "draw anchors in adjacent pairs and weigh a block W times when the drafter missed its "
+                                "anchor token from the position before (the anchors serving lands on after a "
+                                "rejection; 1: off)"})
     eval_data: str | None = field(default=None, metadata={
         "help": "held-out dataset folder (its dev split): teacher-forced per-slot accuracy and tau estimates on it "
                 "are logged as eval_* every --eval-steps"})
@@ -102,6 +106,9 @@ class DataArguments:
             raise ValueError("--eval-only needs --eval-data")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"--num-threads must be >= 1, got {self.num_threads} (leave it out for torch's default)")
+        if self.early_anchor_weight <= 0 or self.post_miss_weight <= 0:
+            raise ValueError(f"--early-anchor-weight and --post-miss-weight must be > 0 (1: off), got "
+                             f"{self.early_anchor_weight} and {self.post_miss_weight}")
 
 
 @dataclass

@@ -50,7 +50,7 @@ def evaluate_blocks(
     """
     # __post_init__ builds a fresh RNG from `seed`; uniform anchors whatever the run trains on, so every run's
     # estimate is over the same blocks
-    col = dataclasses.replace(collator, seed=seed, early_anchor_weight=1.0, epoch=None)
+    col = dataclasses.replace(collator, seed=seed, early_anchor_weight=1.0, post_miss_weight=1.0, epoch=None)
     was_training = drafter.training
     drafter.eval()
     n = len(dataset) if max_sequences is None else min(len(dataset), max_sequences)

@@ -8,6 +8,10 @@
   ``S_t(true predecessor, .)`` over the k candidates (target = the true token's index); same slot weights,
   normalised by their sum over those slots; added with ``selector_weight``. By default the selector trains on
   detached drafter hidden states and logits, so it re-ranks what the drafter proposes without pulling on it.
+* Post-miss weighting (optional, ``post_miss_weight`` != 1, with the collator's ``previous_block``): a block
+  whose anchor token the drafter missed at slot 1 of the block anchored one position earlier weighs
+  ``post_miss_weight`` times as much in both losses. The serving loop anchors mostly right after a rejection, where
+  the next token is harder to draft than at an average position (docs/claims.md).
 * Distillation (optional, ``distill_weight`` ``w`` > 0, batches with ``soft_logits`` / ``soft_ids``): the block
   loss becomes ``(1 - w) * CE(true token) + w * CE(q, p)``, where ``q`` is the target's next-token distribution
   at the slot's predecessor position restricted to its stored top-k (softmax of those logits, the tokens outside
@@ -105,6 +109,8 @@ def drafter_loss(
     soft_logits: torch.Tensor | None = None,
     soft_ids: torch.LongTensor | None = None,
     distill_weight: float = 0.0,
+    previous_block: torch.LongTensor | None = None,
+    post_miss_weight: float = 1.0,
 ) -> DrafterLossOutput:
     """Block cross entropy + selector loss + metrics for one batch.
 
@@ -122,6 +128,11 @@ def drafter_loss(
         soft_ids: ``(b, Q, k)`` int64 their token ids.
         distill_weight: share ``w`` of the distillation term in the block loss (module docstring); 0 = hard
             labels only.
+        previous_block: optional ``(b, N)`` int64, ``N = Q / block_size``: the index of the block anchored one
+            position earlier in the same sequence, -1 where none (the collator's, with ``post_miss_weight``).
+        post_miss_weight: weight of a block whose previous block's slot 1 (which predicts this block's anchor token)
+            has a label and a wrong top-1 draft: the anchors the serving loop lands on after a rejection (module
+            docstring). 1 = every block alike.
 
     Returns:
         :class:`DrafterLossOutput`.
@@ -175,6 +186,8 @@ def drafter_loss(
         to_idx, to_ids = (lambda ids: index[ids]), (lambda idx: vocab[idx])  # outside it (-1): cannot be drafted
     y_idx = to_idx(y)
     w = weights[s]
+    if previous_block is not None and post_miss_weight != 1.0:
+        w = w * _post_miss_factor(logits, to_ids, y, valid, previous_block, block_size, post_miss_weight)[valid]
     ce = F.cross_entropy(logits, y_idx, reduction="none", ignore_index=-1)
     w_ce = w * (y_idx >= 0)
     ce_loss = (w_ce * ce).sum() / w_ce.sum().clamp(min=1e-12)
@@ -231,6 +244,23 @@ def drafter_loss(
     stats["distill_weight"] = distill_stats.get("weight", torch.zeros((), dtype=torch.float64))
     loss = block_loss + selector_weight * sel_loss if selector_weight else block_loss + 0.0 * sel_loss
     return DrafterLossOutput(loss, ce_loss, sel_loss, stats)
+
+
+def _post_miss_factor(logits: torch.Tensor, to_ids, y: torch.LongTensor, valid: torch.Tensor,
+                      previous_block: torch.LongTensor, block_size: int, post_miss_weight: float) -> torch.Tensor:
+    """``(b, Q)`` float weight factor per query slot: ``post_miss_weight`` in the blocks whose previous block
+    (``previous_block``) has a labelled slot 1 with a wrong top-1 draft, 1 elsewhere (detached)."""
+    b, Q = valid.shape
+    n = Q // block_size
+    with torch.no_grad():
+        hit = torch.zeros(b, Q, dtype=torch.bool, device=logits.device)
+        hit[valid] = to_ids(logits.argmax(-1)) == y
+        slot1 = valid.reshape(b, n, block_size)[:, :, 1]
+        miss = slot1 & ~hit.reshape(b, n, block_size)[:, :, 1]  # (b, N)
+        prev = previous_block.to(logits.device)
+        after_miss = (prev >= 0) & miss.gather(1, prev.clamp(min=0))
+        factor = torch.where(after_miss, float(post_miss_weight), 1.0)  # (b, N)
+    return factor.repeat_interleave(block_size, dim=1)
 
 
 def _distill(logits: torch.Tensor, soft_logits: torch.Tensor, soft_idx: torch.LongTensor, w: torch.Tensor,

@@ -202,7 +202,7 @@ def train(data: DataArguments, training_args: DFlash2TrainingArguments, drafter:
     block_collator = BlockCollator(
         block_size=cfg.block_size, mask_token_id=cfg.mask_token_id, num_blocks=data.num_blocks,
         max_length=data.max_length, seed=training_args.seed, early_anchor_tokens=data.early_anchor_tokens,
-        early_anchor_weight=data.early_anchor_weight)
+        early_anchor_weight=data.early_anchor_weight, post_miss_weight=data.post_miss_weight)
     if data.eval_only:
         return _eval_only(run, model, lora, tokenizer, resume_from, block_collator)
 

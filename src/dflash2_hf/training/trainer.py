@@ -262,6 +262,8 @@ class DFlash2Trainer(Trainer):
             soft_logits=inputs.get("soft_logits"),
             soft_ids=inputs.get("soft_ids"),
             distill_weight=getattr(self.args, "distill_weight", 0.0) or 0.0,
+            previous_block=inputs.get("previous_block"),
+            post_miss_weight=getattr(self.block_collator, "post_miss_weight", 1.0),
         )
         if model.training:
             self._train_stats = accumulate_stats(self._train_stats, res.stats)
