@@ -269,3 +269,7 @@ def test_jsonl_prompts(tmp_path):
     bad.write_text('{"text": "no prompt field"}\n')
     with pytest.raises(ValueError, match="prompt"):
         jsonl_bench_prompts(bad, tok, 1)
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text(json.dumps({"prompt": "fine"}) + "\n\n{not json\n")
+    with pytest.raises(ValueError, match="broken.jsonl: line 3 is no JSON record"):
+        jsonl_bench_prompts(broken, tok, 5)

@@ -44,7 +44,7 @@ def check_folder(path: str, config_passed: bool) -> None:
     config_file = os.path.join(path, "config.json")
     adapter_config = os.path.join(path, "adapter_config.json")
     if not os.path.isfile(config_file) and os.path.isfile(adapter_config):
-        base = _adapter_base(adapter_config)
+        base = adapter_base_name(adapter_config)
         raise CheckpointError(
             f"{path!r} is a LoRA adapter for a drafter (adapter_config.json), not a drafter: load its base drafter "
             f"{base!r} with the adapter: dflash2_hf.load_drafter({base!r}, target, adapter={path!r}) (merged, ready "
@@ -66,7 +66,7 @@ def check_folder(path: str, config_passed: bool) -> None:
         )
 
 
-def _adapter_base(adapter_config: str) -> str:
+def adapter_base_name(adapter_config: str) -> str:
     """The base drafter an adapter folder names (``base_model_name_or_path``), or ``"BASE"`` where it names none."""
     import json
 
@@ -199,4 +199,4 @@ def _fc_hint(config, mismatched) -> str:
     )
 
 
-__all__ = ["check_folder", "check_loaded", "non_finite", "unreadable_weights_error"]
+__all__ = ["adapter_base_name", "check_folder", "check_loaded", "non_finite", "unreadable_weights_error"]

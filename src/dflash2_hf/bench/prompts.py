@@ -7,9 +7,10 @@ gets the raw text, tokenised with its special tokens.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from ..data.json_lines import iter_json_lines
 
 SHAREGPT_DEV = (16000, 17000)
 
@@ -109,30 +110,23 @@ def jsonl_bench_prompts(path: str | Path, tokenizer, num_prompts: int, max_promp
     path = Path(path)
     name = path.name[: -len(".jsonl")] if path.name.endswith(".jsonl") else path.stem
     out = []
-    with open(path, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{path}:{line_no}: not valid JSON ({err})") from None
-            pid = str(obj.get("id", line_no)) if isinstance(obj, dict) else str(line_no)
-            if isinstance(obj, dict) and isinstance(obj.get("messages"), list):
-                if not has_chat_template(tokenizer):
-                    raise ValueError(f"{path}:{line_no}: 'messages' needs a tokenizer with a chat template")
-                ids, used = encode_messages(tokenizer, obj["messages"]), True
-            elif isinstance(obj, dict) and isinstance(obj.get("prompt"), str):
-                ids, used = encode_text(tokenizer, obj["prompt"], chat)
-            else:
-                raise ValueError(f"{path}:{line_no}: expected an object with a 'prompt' string or a 'messages' list")
-            if max_prompt_tokens is not None and len(ids) > max_prompt_tokens:
-                if skipped is not None:
-                    skipped.append(pid)
-                continue
-            out.append(Prompt(name, pid, ids, used))
-            if len(out) >= num_prompts:
-                break
+    for line_no, obj in iter_json_lines(path):
+        pid = str(obj.get("id", line_no)) if isinstance(obj, dict) else str(line_no)
+        if isinstance(obj, dict) and isinstance(obj.get("messages"), list):
+            if not has_chat_template(tokenizer):
+                raise ValueError(f"{path}:{line_no}: 'messages' needs a tokenizer with a chat template")
+            ids, used = encode_messages(tokenizer, obj["messages"]), True
+        elif isinstance(obj, dict) and isinstance(obj.get("prompt"), str):
+            ids, used = encode_text(tokenizer, obj["prompt"], chat)
+        else:
+            raise ValueError(f"{path}:{line_no}: expected an object with a 'prompt' string or a 'messages' list")
+        if max_prompt_tokens is not None and len(ids) > max_prompt_tokens:
+            if skipped is not None:
+                skipped.append(pid)
+            continue
+        out.append(Prompt(name, pid, ids, used))
+        if len(out) >= num_prompts:
+            break
     if not out:
         raise ValueError(f"{path}: no usable prompts")
     return out

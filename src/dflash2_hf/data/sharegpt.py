@@ -21,6 +21,8 @@ import logging
 from pathlib import Path
 from typing import Iterator
 
+from .json_lines import iter_json_lines
+
 logger = logging.getLogger(__name__)
 
 TRAIN_RANGE = (0, 16000)
@@ -149,18 +151,10 @@ class ShareGPTReader:
 
 
     def _json_lines(self) -> Iterator[tuple[int, dict]]:
-        with open(self.path, "r", encoding="utf-8") as f:
-            for line_number, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    obj = json.loads(line)
-                except json.JSONDecodeError as err:
-                    raise ValueError(f"{self.path}: line {line_number} is no JSON record ({err.msg}); a JSON Lines "
-                                     "file holds one record per line") from None
-                index = self.num_records
-                self.num_records += 1
-                yield index, obj
+        for _, obj in iter_json_lines(self.path):
+            index = self.num_records
+            self.num_records += 1
+            yield index, obj
         self.complete = True
 
 

@@ -18,10 +18,9 @@ def check_init(init: str | None) -> None:
     Raises:
         ValueError: what the folder is and the option to use instead.
     """
-    import json
     import os
 
-    from ..checkpoint import check_folder
+    from ..checkpoint import adapter_base_name, check_folder
     from ..hub import is_local_path
     from ..shipped import resolve_name_or_path
 
@@ -38,10 +37,7 @@ def check_init(init: str | None) -> None:
                          "the target, or name a trained drafter's folder.")
     adapter_config = os.path.join(path, "adapter_config.json")
     if os.path.isfile(adapter_config) and not os.path.isfile(os.path.join(path, "config.json")):
-        try:
-            base = json.load(open(adapter_config)).get("base_model_name_or_path") or "BASE"
-        except (OSError, ValueError):
-            base = "BASE"
+        base = adapter_base_name(adapter_config)
         raise ValueError(f"--init {init}: is a LoRA adapter, not a drafter. To go on training it: --init {base} "
                          f"--lora --lora-init {init}")
     try:
