@@ -7,7 +7,8 @@ continuation, and the longest recurring suffix. One JSON line per prompt; replay
     OMP_NUM_THREADS=1 .venv/bin/python examples/copy_rule_replay/collect.py runs/copysim/code.jsonl \
         runs/heldout/validation-code.jsonl 40
 
-Arguments: output JSONL, comma-separated bench data sets (``dflash2 bench --datasets``), prompts per set. fp32 target
+Arguments: output JSONL, comma-separated bench data sets (``dflash2 bench --datasets``), prompts per set, and
+optionally the drafter (default: the shipped one). fp32 target
 and drafter, greedy, 96 new tokens, one thread (~10 s per prompt on a 2-core AMD EPYC).
 """
 import sys, json, time, torch
@@ -21,8 +22,9 @@ from dflash2_hf.targets import load_target
 from dflash2_hf.training.target_features import target_features
 torch.set_num_threads(1)
 out_path, datasets, n = sys.argv[1], sys.argv[2].split(","), int(sys.argv[3])
+drafter_path = sys.argv[4] if len(sys.argv) > 4 else "model_cards/dflash2-smollm2-135m-instruct"
 target, tok = load_target("smollm2", dtype=torch.float32)
-d = DFlash2DraftModel.from_pretrained("model_cards/dflash2-smollm2-135m-instruct", dtype=torch.float32).eval()
+d = DFlash2DraftModel.from_pretrained(drafter_path, dtype=torch.float32).eval()
 cfg = d.config; k = 16; sel = d.candidate_selector
 emb = target.get_input_embeddings().weight
 head = draft_lm_head(target.get_output_embeddings(), d)
