@@ -57,7 +57,7 @@ def prompts():
     return {"rand": [Prompt("rand", "0", random_prompt)], "rep": [Prompt("rep", "0", repetitive)]}
 
 
-def _check_files(out, results, methods):
+def _check_files(out, results, methods, greedy=True):
     for name in ("results.json", "results.md", "acceptance_per_position.png", "speedup.png"):
         assert (out / name).is_file() and (out / name).stat().st_size > 0, name
     data = json.loads((out / "results.json").read_text())
@@ -95,9 +95,15 @@ def _check_files(out, results, methods):
         if row["method"] in ("builtin_dflash", "dflash2", "dflash2_top1", "dflash2_dynamic", "dflash2_adapter"):
             assert len(row["per_position_acceptance"]) == 5  # block size 6
             assert row["time_split_ms_per_cycle"]["draft"] is not None
+        if row["method"] == "dflash2_top1":
+            assert "selector_passes" not in row
+        if row["method"] == "dflash2" and row["dataset"] == "all" and greedy:  # a random selector: its path often
+            assert row["selector_passes"] >= 1 and 0 < row["selector_changed"] <= 1  # differs (counted when greedy)
     md = (out / "results.md").read_text()
     for m in methods:
         assert f"| {m} |" in md
+    if "dflash2" in methods and greedy:
+        assert "selector path differs from the top-1 path" in md and "all `dflash2`" in md
     return data
 
 
@@ -204,7 +210,7 @@ def test_bench_sampling_subset(models, prompts, tmp_path):
                              warmup=False, progress=False)
     assert settings.methods[0] == "plain"  # always added: the speedup reference
     results = run_benchmark(target, drafter, prompts, settings, out_dir=tmp_path)
-    data = _check_files(tmp_path, results, settings.methods)
+    data = _check_files(tmp_path, results, settings.methods, greedy=False)
     assert all(rec["identical_to_plain"] is None for rec in data["records"])
     assert all(row["identical_to_plain"] is None for row in data["aggregates"])
     assert "n/a" in (tmp_path / "results.md").read_text()

@@ -184,6 +184,9 @@ def test_untrained_selector_reproduces_top1_path(targets):
         drafter.use_selector = use
         target.generate(ids, assistant_model=drafter, max_new_tokens=20, do_sample=False)
         paths[use] = (drafter.generation_stats.accepted_drafts, drafter.generation_stats.acceptance_lengths)
+        st = drafter.generation_stats  # the selector's path never left the top-1 path; off: it never ran
+        assert (st.selector_passes > 0) == use and st.selector_passes <= st.drafter_passes
+        assert st.selector_changed_passes == 0
     drafter.use_selector = True
     gen_on = cg.DFlash2CandidateGenerator(drafter, target, False, 1.0, True, drafter.generation_stats)
     gen_off = cg.DFlash2CandidateGenerator(drafter, target, False, 1.0, False, drafter.generation_stats)
@@ -198,6 +201,7 @@ def test_untrained_selector_reproduces_top1_path(targets):
     gen_on2 = cg.DFlash2CandidateGenerator(drafter, target, False, 1.0, True, drafter.generation_stats)
     gen_on2.add_context(hs, ids.shape[1] - 1)
     assert not torch.equal(gen_on2.propose(ids, 5).tokens, b)  # a trained selector does change the path
+    assert drafter.generation_stats.selector_changed_passes == 1  # and the statistics count it
 
 
 def test_builtin_dflash_path_runs_our_drafter(targets):

@@ -80,6 +80,9 @@ def aggregate(records: list[RawRecord], methods: tuple, block_size: int | None, 
                            split_source="generation_stats", loop_other_seconds=merged.other_seconds)
                 prefill, verify, draft, select = (merged.prefill_seconds, merged.verify_seconds,
                                                   merged.draft_seconds, merged.select_seconds)
+                if merged.selector_passes:  # how often the selector's path is not the top-1 path
+                    row.update(selector_passes=merged.selector_passes,
+                               selector_changed=merged.selector_changed_passes / merged.selector_passes)
                 if merged.cost_curve:  # dflash2_cost: the curve it chose from, and how often the drafter ran
                     row.update(cost_curve=merged.cost_curve,
                                drafted_cycles=merged.drafter_passes / cycles if cycles else None,
@@ -251,6 +254,7 @@ def markdown(results: dict) -> str:
                 continue
             cells = [_fmt(acc[i]) if i < len(acc) else "" for i in range(width)]
             lines.append(f"| {row['dataset']} | {row['method']} | " + " | ".join(cells) + " |")
+    lines += selector_lines(results["aggregates"])
     lines += cost_curve_lines(results["aggregates"])
     lines += divergence_lines(results)
     lines += [
@@ -266,6 +270,16 @@ def markdown(results: dict) -> str:
         "Methods: " + "; ".join(f"`{m}` = {METHOD_DESCRIPTIONS[m]}" for m in s["methods"]) + ".",
     ]
     return "\n".join(lines) + "\n"
+
+
+def selector_lines(aggregates: list[dict]) -> list[str]:
+    """How often the candidate selector's path differed from the drafter's top-1 path (greedy methods with it)."""
+    rows = [r for r in aggregates if r.get("selector_passes")]
+    if not rows:
+        return []
+    return ["", "Candidate selector: share of drafter passes whose selector path differs from the top-1 path at some "
+            "proposed position: " + "; ".join(f"{r['dataset']} `{r['method']}` {r['selector_changed']:.2f} of "
+                                              f"{r['selector_passes']}" for r in rows) + "."]
 
 
 def cost_curve_lines(aggregates: list[dict]) -> list[str]:

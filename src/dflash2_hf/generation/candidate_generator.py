@@ -294,6 +294,9 @@ class DFlash2CandidateGenerator:
                 path, q = walk_sampled(scores, self.temperature)
             else:
                 path, q = walk_greedy(scores), None
+                if self.selector is not None:  # candidate index 0 is the drafter's top-1 at every position
+                    self.stats.selector_passes += 1
+                    self.stats.selector_changed_passes += any(path)
             first = (candidate_ids[0], None if q is None else q[0])  # the drafter's proposal of position 1
             copied = self._copied(input_ids, candidate_ids[0, path[0]], room, first)
             if copied is not None:

@@ -31,6 +31,9 @@ class GenerationStats:
             made without drafting and a last cycle with no room before ``max_length`` make none, and a cycle whose
             pass the cost schedule then verified none of, ``draft_lengths`` 0, made one).
         copies_without_drafting: cycles that verified a copy made with no drafter pass (the last 2-3 tokens recurred).
+        selector_passes: greedy drafter passes whose path the candidate selector walked.
+        selector_changed_passes: those of them whose selector path differs from the drafter's top-1 path at some
+            proposed position (before a copy from the context replaces it, or a draft-length rule cuts it).
         cost_curve: with the ``"cost"`` draft-length schedule, the verification cost curve it chose lengths from
             (``{"label", "verify_ms": {"n": ms}, "relative": {"n": T_verify(n) / T_decode}}``), else None.
     """
@@ -48,6 +51,8 @@ class GenerationStats:
     total_seconds: float = 0.0
     drafter_passes: int = 0
     copies_without_drafting: int = 0
+    selector_passes: int = 0
+    selector_changed_passes: int = 0
     cost_curve: dict | None = None
 
     @property
@@ -119,8 +124,9 @@ class GenerationStats:
             total.accepted_drafts += s.accepted_drafts
             total.draft_lengths += s.draft_lengths
             total.copied += s.copied
-            for name in ("new_tokens", "drafter_passes", "copies_without_drafting", "draft_seconds", "select_seconds", "verify_seconds", "prefill_seconds",
-                         "total_seconds"):
+            for name in ("new_tokens", "drafter_passes", "copies_without_drafting", "selector_passes",
+                         "selector_changed_passes", "draft_seconds", "select_seconds", "verify_seconds",
+                         "prefill_seconds", "total_seconds"):
                 setattr(total, name, getattr(total, name) + getattr(s, name))
             total.cost_curve = total.cost_curve or s.cost_curve
         return total
