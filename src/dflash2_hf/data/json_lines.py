@@ -19,10 +19,11 @@ def iter_json_lines(path: str | Path) -> Iterator[tuple[int, Any]]:
             if not line.strip():
                 continue
             try:
-                yield line_number, json.loads(line)
+                value = json.loads(line)
             except json.JSONDecodeError as err:
                 raise ValueError(f"{path}: line {line_number} is no JSON record ({err.msg}); a JSON Lines file holds "
                                  "one record per line") from None
+            yield line_number, value
 
 
 __all__ = ["iter_json_lines"]

@@ -186,8 +186,12 @@ def drafter_loss(
         to_idx, to_ids = (lambda ids: index[ids]), (lambda idx: vocab[idx])  # outside it (-1): cannot be drafted
     y_idx = to_idx(y)
     w = weights[s]
+    with torch.no_grad():  # top-1 hits per query slot: the metrics below and the post-miss weights
+        top1 = to_ids(logits.argmax(-1)) == y
+        full_top1 = torch.zeros(b, Q, dtype=torch.bool, device=device)
+        full_top1[valid] = top1
     if previous_block is not None and post_miss_weight != 1.0:
-        w = w * _post_miss_factor(logits, to_ids, y, valid, previous_block, block_size, post_miss_weight)[valid]
+        w = w * _post_miss_factor(full_top1, valid, previous_block, block_size, post_miss_weight)[valid]
     ce = F.cross_entropy(logits, y_idx, reduction="none", ignore_index=-1)
     w_ce = w * (y_idx >= 0)
     ce_loss = (w_ce * ce).sum() / w_ce.sum().clamp(min=1e-12)
@@ -196,9 +200,6 @@ def drafter_loss(
         block_loss, distill_stats = _distill(logits, soft_logits[valid].to(device), to_idx(soft_i), w, ce_loss,
                                              distill_weight)
     with torch.no_grad():
-        top1 = to_ids(logits.argmax(-1)) == y
-        full_top1 = torch.zeros(b, Q, dtype=torch.bool, device=device)
-        full_top1[valid] = top1
         _accept_stats(stats, full_top1, valid, block_size, "top1")
         stats["slot_correct"].index_add_(0, s.cpu(), top1.double().cpu())
         stats["slot_count"].index_add_(0, s.cpu(), torch.ones_like(s, dtype=torch.float64).cpu())
@@ -246,20 +247,17 @@ def drafter_loss(
     return DrafterLossOutput(loss, ce_loss, sel_loss, stats)
 
 
-def _post_miss_factor(logits: torch.Tensor, to_ids, y: torch.LongTensor, valid: torch.Tensor,
-                      previous_block: torch.LongTensor, block_size: int, post_miss_weight: float) -> torch.Tensor:
+def _post_miss_factor(hit: torch.Tensor, valid: torch.Tensor, previous_block: torch.LongTensor, block_size: int,
+                      post_miss_weight: float) -> torch.Tensor:
     """``(b, Q)`` float weight factor per query slot: ``post_miss_weight`` in the blocks whose previous block
-    (``previous_block``) has a labelled slot 1 with a wrong top-1 draft, 1 elsewhere (detached)."""
+    (``previous_block``) has a labelled slot 1 with a wrong top-1 draft (``hit`` ``(b, Q)`` bool is False there), 1
+    elsewhere."""
     b, Q = valid.shape
     n = Q // block_size
-    with torch.no_grad():
-        hit = torch.zeros(b, Q, dtype=torch.bool, device=logits.device)
-        hit[valid] = to_ids(logits.argmax(-1)) == y
-        slot1 = valid.reshape(b, n, block_size)[:, :, 1]
-        miss = slot1 & ~hit.reshape(b, n, block_size)[:, :, 1]  # (b, N)
-        prev = previous_block.to(logits.device)
-        after_miss = (prev >= 0) & miss.gather(1, prev.clamp(min=0))
-        factor = torch.where(after_miss, float(post_miss_weight), 1.0)  # (b, N)
+    miss = valid.reshape(b, n, block_size)[:, :, 1] & ~hit.reshape(b, n, block_size)[:, :, 1]  # (b, N)
+    prev = previous_block.to(hit.device)
+    after_miss = (prev >= 0) & miss.gather(1, prev.clamp(min=0))
+    factor = torch.where(after_miss, float(post_miss_weight), 1.0)  # (b, N)
     return factor.repeat_interleave(block_size, dim=1)
 
 
