@@ -128,6 +128,12 @@ def build_drafter(args, target, resume_from: str | None, lora: bool = False):
     elif args.init:
         drafter = DFlash2DraftModel.from_pretrained(args.init)
         apply_selector_options(drafter, args.selector_rank, args.selector_top_k)
+        if getattr(args, "grow_layers", None):
+            from .init import grow_layers
+
+            grown = grow_layers(drafter, args.grow_layers)
+            logger.info("--grow-layers %d: new layers at %s of %d (identity at start)", args.grow_layers, grown,
+                        len(drafter.layers))
     else:
         overrides = dict(num_hidden_layers=args.num_layers, block_size=args.block_size)
         if args.target_layer_ids:
@@ -154,6 +160,10 @@ def build_drafter(args, target, resume_from: str | None, lora: bool = False):
     drafter.check_target(target)
     if getattr(args, "train_only", "all") == "selector":
         freeze_all_but_selector(drafter)
+    elif getattr(args, "train_only", "all") == "new-layers":  # also on resume: the checkpoint holds the grown stack
+        from .init import freeze_all_but, grown_layer_indices
+
+        freeze_all_but(drafter, grown_layer_indices(len(drafter.layers), args.grow_layers))
     return drafter.float().train()
 
 

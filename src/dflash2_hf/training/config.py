@@ -172,9 +172,14 @@ class DrafterArguments:
     selector_rank: int | None = field(default=None, metadata={
         "metavar": "R", "help": "rank of the selector's codebooks (with --init: a new selector of this rank, which "
                                 "starts as the top-1 path)"})
-    train_only: Literal["all", "selector"] = field(default="all", metadata={
+    train_only: Literal["all", "selector", "new-layers"] = field(default="all", metadata={
         "help": "selector: train only the candidate selector of the --init drafter, everything else frozen (steps "
-                "~2-3x cheaper; the top-1 path stays exactly as it was)"})
+                "~2-3x cheaper; the top-1 path stays exactly as it was); new-layers: train only the layers added by "
+                "--grow-layers and the selector"})
+    grow_layers: int | None = field(default=None, metadata={
+        "metavar": "N", "help": "insert N new decoder layers into the --init drafter, spread evenly, each a copy of "
+                                "the layer before it with its output projections zeroed: the drafter starts exactly "
+                                "where it was and trains the extra depth (LLaMA Pro block expansion)"})
     no_conv: bool = field(default=False, metadata={"help": "fresh drafter without the local convolutions"})
     no_selector: bool = field(default=False, metadata={"help": "fresh drafter without the candidate selector"})
     layer_types: str | None = field(default=None, metadata={
@@ -327,6 +332,11 @@ def check_run(data: DataArguments, features: FeatureArguments, drafter: DrafterA
     if drafter.train_only == "selector" and not drafter.init:
         raise ValueError("--train-only selector needs --init PATH_OR_ID: the trained drafter whose selector is "
                          "trained (a fresh drafter's layers would stay random).")
+    if drafter.grow_layers is not None and (drafter.grow_layers < 1 or not drafter.init or lora.lora):
+        raise ValueError(f"--grow-layers {drafter.grow_layers}: needs N >= 1 and --init PATH_OR_ID (the trained "
+                         "drafter to grow), without --lora")
+    if drafter.train_only == "new-layers" and not drafter.grow_layers:
+        raise ValueError("--train-only new-layers trains the layers --grow-layers N adds: name --grow-layers N")
     if drafter.train_only == "selector" and lora.lora:
         raise ValueError("--train-only selector and --lora exclude each other: the selector trains in full, "
                          "without an adapter; drop one of them.")

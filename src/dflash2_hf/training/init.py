@@ -1,4 +1,4 @@
-"""Optional warm starts of a fresh drafter from its target's own weights.
+"""Optional warm starts: a fresh drafter from its target's own weights, or a trained drafter grown deeper.
 
 The drafter's decoder layers have the target's shapes when the widths match (``from_target`` copies hidden size,
 heads, head dim and MLP width), so target decoder layers can seed them: attention projections, MLP and the two
@@ -9,9 +9,13 @@ weight into the drafter's ``norm`` (the LM head was trained on that scale).
 
 from __future__ import annotations
 
+import copy
+import math
+
 import torch
 from torch import nn
 
+from ..masking import layer_attention
 from .target_features import decoder_layers
 
 _LAYER_PARAMS = (
@@ -74,4 +78,72 @@ def initialize_from_target(drafter: nn.Module, target: nn.Module, layers: str | 
     return used
 
 
-__all__ = ["initialize_from_target", "target_layer_choice"]
+def grown_layer_indices(num_layers: int, grow: int) -> list[int]:
+    """Indices, in a stack of ``num_layers`` layers grown by :func:`grow_layers`, of its ``grow`` new layers.
+
+    The new layers are spread evenly: new layer ``i`` follows original layer ``ceil((i + 1) * L / (grow + 1)) - 1``
+    (``L = num_layers - grow``; 5 + 2 layers: after original layers 1 and 3, at indices 2 and 5).
+
+    Raises:
+        ValueError: ``grow`` < 1 or not fewer than ``num_layers``.
+    """
+    if not 1 <= grow < num_layers:
+        raise ValueError(f"cannot find {grow} new layers in a stack of {num_layers}")
+    original = num_layers - grow
+    follows = [math.ceil((i + 1) * original / (grow + 1)) for i in range(grow)]  # original layers before each
+    return [f + i for i, f in enumerate(sorted(follows))]
+
+
+@torch.no_grad()
+def grow_layers(drafter: nn.Module, grow: int) -> list[int]:
+    """Inserts ``grow`` new decoder layers into a trained drafter (in place); returns their indices.
+
+    Each new layer is a copy of the layer before it with its attention output projection and MLP down projection
+    set to zero, so the residual stream, and every output of the drafter, is exactly what it was (block expansion,
+    Wu et al. 2024, "LLaMA Pro", arXiv 2401.02415); training then gives the new layers their own function. The
+    config's ``num_hidden_layers`` (and ``layer_types``, if set) follow; layer indices are renumbered.
+
+    Raises:
+        ValueError: ``grow`` < 1.
+    """
+    if grow < 1:
+        raise ValueError(f"--grow-layers must be >= 1, got {grow}")
+    old = list(drafter.layers)
+    new_indices = grown_layer_indices(len(old) + grow, grow)
+    config = drafter.config
+    old_types = list(config.layer_types) if config.layer_types else None
+    stack, types, source = [], [], iter(range(len(old)))
+    for index in range(len(old) + grow):
+        if index in new_indices:
+            layer = copy.deepcopy(stack[-1])
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+            for module in (layer.self_attn.o_proj, layer.mlp.down_proj):
+                if module.bias is not None:
+                    module.bias.zero_()
+        else:
+            i = next(source)
+            layer = old[i]
+        types.append(old_types[i] if old_types else None)
+        layer.self_attn.layer_idx = index
+        stack.append(layer)
+    drafter.layers = nn.ModuleList(stack)
+    config.num_hidden_layers = len(stack)
+    if old_types:
+        config.layer_types = types
+    drafter.layer_rules = layer_attention(config)
+    return new_indices
+
+
+def freeze_all_but(drafter: nn.Module, layer_indices: list[int]) -> None:
+    """Freezes every drafter parameter except those of the decoder layers ``layer_indices`` and the candidate
+    selector (``--train-only new-layers``: the new layers of :func:`grow_layers`; the selector reads the final
+    hidden state they change)."""
+    drafter.requires_grad_(False)
+    for i in layer_indices:
+        drafter.layers[i].requires_grad_(True)
+    if getattr(drafter, "candidate_selector", None) is not None:
+        drafter.candidate_selector.requires_grad_(True)
+
+
+__all__ = ["freeze_all_but", "grow_layers", "grown_layer_indices", "initialize_from_target", "target_layer_choice"]
