@@ -144,3 +144,21 @@ def test_greedy_continue_matches_generate(compact_below):
         ref = model.generate(torch.tensor([ctx]), generation_config=cfg)[0, len(ctx):].tolist()
         assert resp == ref and stopped == (ref[-1] in stop)
     assert len({len(r) for r, _ in got}) > 2  # the case is exercised: rows of several lengths
+
+
+def test_source_hash_is_read_once_and_follows_a_changed_file(tmp_path):
+    """``prepare-data --source F`` asks for F's sha256 before and after loading the target: one read per process,
+    and a file rewritten with other bytes gets its new hash."""
+    import hashlib
+    import os
+
+    from dflash2_hf.data.hub_dataset import _file_sha256, source_sha256
+
+    f = tmp_path / "chats.json"
+    f.write_bytes(b"[1, 2, 3]")
+    misses = _file_sha256.cache_info().misses
+    assert source_sha256(f) == source_sha256(str(f)) == hashlib.sha256(b"[1, 2, 3]").hexdigest()
+    assert _file_sha256.cache_info().misses == misses + 1
+    f.write_bytes(b"[4, 5, 6, 7]")
+    os.utime(f, ns=(1, 1))  # a different modification time even on a coarse clock
+    assert source_sha256(f) == hashlib.sha256(b"[4, 5, 6, 7]").hexdigest()

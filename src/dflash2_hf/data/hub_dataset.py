@@ -6,6 +6,7 @@ Rank 0 of ``dflash2 prepare-data`` rewrites both from the shards on disk after e
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from pathlib import Path
@@ -37,7 +38,14 @@ _ADDED_LATER = {"source.sha256"}  # a folder made before this key was recorded r
 
 def source_sha256(path: str | os.PathLike) -> str:
     """sha256 of a ``--source`` file's bytes (recorded in the provenance, so a rerun with a changed file under the
-    same name is refused instead of skipping the records the old file held)."""
+    same name is refused instead of skipping the records the old file held). Read once per process while the file's
+    size and modification time stay the same (``prepare-data`` asks before and after loading the target)."""
+    stat = os.stat(path)
+    return _file_sha256(os.path.realpath(path), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=8)
+def _file_sha256(path: str, size: int, mtime_ns: int) -> str:
     import hashlib
 
     digest = hashlib.sha256()
