@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Regenerate a code set with the target and train a drafter on it with ONLINE target features (no feature cache), on
-# one GPU, in about 8 minutes; the trained drafter comes back in $OUT/drafter, with training_summary.json and
+# one GPU, in about 8 minutes (or train on prepared folders, from a trained drafter, grown deeper: DATA, INIT, GROW); the trained drafter comes back in $OUT/drafter, with training_summary.json and
 # check.json (greedy output with the drafter identical to the target's plain greedy generate).
 #
 #   bash scripts/gpu_train.sh                       # OUT=/tmp/gpu_train unless set
@@ -14,6 +14,11 @@
 #   PROMPTS=1024 NEW_TOKENS=192 GEN_BATCH=128   regeneration; PROMPTS_FILE=x.json uses a ShareGPT file instead
 #   STEPS=2000 LAYERS=3 BLOCK=16 BLOCKS=32 BATCH=4 MAX_LENGTH=768 LR=6e-4   training
 #   DEVICE=auto           where both run (cuda when torch sees a GPU)
+#   DATA="d1 d2 ..."      train on these prepared folders instead (no prompts, no regeneration), e.g. the
+#                         repository's dataset_cards/*-regenerated*
+#   INIT=folder GROW=N TRAIN_ONLY=new-layers   start from a trained drafter (LAYERS and BLOCK are then its own),
+#                         optionally grown by N layers (train --grow-layers; TRAIN_ONLY=all trains every weight)
+#   EXTRA_ARGS="..."      more `dflash2 train` options, e.g. "--early-anchor-weight 3 --early-anchor-tokens 96"
 #   PYTHON=...            the interpreter (default: .venv/bin/python when there is one, else python3); wheels in
 #                         .whl/ (e.g. transformers 5.24, datasets) are installed into /tmp/site first
 set -euo pipefail
@@ -41,17 +46,31 @@ feature_dtype=float32
 [ "$bf16" = true ] && feature_dtype=bfloat16
 SECONDS=0
 
-prompts="${PROMPTS_FILE:-$WORK/prompts.json}"
-if [ ! -f "$prompts" ]; then
-  "$PYTHON" examples/make_stdlib_code_prompts.py --out "$prompts" --max-prompts "$PROMPTS"
+if [ -n "${DATA:-}" ]; then
+  read -r -a folders <<< "$DATA"
+  data_args=(--data "${folders[0]}")
+  [ "${#folders[@]}" -gt 1 ] && data_args+=(--extra-data "${folders[@]:1}")
+else
+  prompts="${PROMPTS_FILE:-$WORK/prompts.json}"
+  if [ ! -f "$prompts" ]; then
+    "$PYTHON" examples/make_stdlib_code_prompts.py --out "$prompts" --max-prompts "$PROMPTS"
+  fi
+  echo "gpu_train: prompts ready (${SECONDS}s)"
+  dflash2 prepare-data --target "$TARGET" --source "$prompts" --output-dir "$WORK/data" --stop "$PROMPTS" \
+    --batch-size "$GEN_BATCH" --max-new-tokens "$NEW_TOKENS" --max-prompt-tokens "$MAX_PROMPT_TOKENS" \
+    --device "$DEVICE" --no-progress
+  echo "gpu_train: regenerated (${SECONDS}s)"
+  data_args=(--data "$WORK/data")
 fi
-echo "gpu_train: prompts ready (${SECONDS}s)"
-dflash2 prepare-data --target "$TARGET" --source "$prompts" --output-dir "$WORK/data" --stop "$PROMPTS" \
-  --batch-size "$GEN_BATCH" --max-new-tokens "$NEW_TOKENS" --max-prompt-tokens "$MAX_PROMPT_TOKENS" \
-  --device "$DEVICE" --no-progress
-echo "gpu_train: regenerated (${SECONDS}s)"
-dflash2 train --target "$TARGET" --data "$WORK/data" --features online --feature-dtype "$feature_dtype" --bf16 "$bf16" \
-  --num-layers "$LAYERS" --block-size "$BLOCK" --num-blocks "$BLOCKS" --per-device-train-batch-size "$BATCH" \
+if [ -n "${INIT:-}" ]; then
+  drafter_args=(--init "$INIT")
+  [ -n "${GROW:-}" ] && drafter_args+=(--grow-layers "$GROW" --train-only "${TRAIN_ONLY:-new-layers}")
+else
+  drafter_args=(--num-layers "$LAYERS" --block-size "$BLOCK")
+fi
+read -r -a extra_args <<< "${EXTRA_ARGS:-}"
+dflash2 train --target "$TARGET" "${data_args[@]}" --features online --feature-dtype "$feature_dtype" --bf16 "$bf16" \
+  "${drafter_args[@]}" --num-blocks "$BLOCKS" --per-device-train-batch-size "$BATCH" "${extra_args[@]}" \
   --max-length "$MAX_LENGTH" --max-steps "$STEPS" --learning-rate "$LR" --logging-steps 50 --save-steps 500 \
   --output-dir "$OUT/drafter" --resume-from-checkpoint last --disable-tqdm true --device "$DEVICE"
 echo "gpu_train: trained (${SECONDS}s)"

@@ -33,3 +33,15 @@ def test_gpu_train_script_at_tiny_scale(tmp_path):
     assert json.loads((out / "check.json").read_text())["identical"]
     assert not list((out / "drafter").glob("checkpoint-*"))  # only the final drafter comes back
     assert not (tmp_path / "cache" / "features").exists()
+
+    # a second run from that drafter, grown by one layer, on the prepared folder (no regeneration)
+    env2 = dict(env, OUT=str(tmp_path / "out2"), DATA=str(out / "work" / "data"), INIT=str(out / "drafter"),
+                GROW="1", EXTRA_ARGS="--early-anchor-weight 2 --early-anchor-tokens 4")
+    res = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_train.sh")], env=env2, capture_output=True, text=True,
+                         timeout=300)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    assert "regenerated" not in res.stdout
+    grown = json.loads((tmp_path / "out2" / "drafter" / "config.json").read_text())
+    assert grown["num_hidden_layers"] == 2 and json.loads((tmp_path / "out2" / "check.json").read_text())["identical"]
+    command = json.loads((tmp_path / "out2" / "drafter" / "train_command.json").read_text())
+    assert "--grow-layers" in json.dumps(command) and "--early-anchor-weight" in json.dumps(command)
