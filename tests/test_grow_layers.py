@@ -119,9 +119,9 @@ def test_grow_layers_through_the_command_line(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("options, message", [
-    (["--grow-layers", "2"], "needs N >= 1 and --init"),
-    (["--grow-layers", "0", "--init", "d"], "needs N >= 1"),
-    (["--grow-layers", "1", "--init", "d", "--lora"], "without --lora"),
+    (["--grow-layers", "2"], "--grow-layers needs --init"),
+    (["--grow-layers", "0", "--init", "d"], "--grow-layers must be >= 1"),
+    (["--grow-layers", "1", "--init", "d", "--lora"], "--grow-layers and --lora exclude each other"),
     (["--train-only", "new-layers", "--init", "d"], "name --grow-layers N"),
 ])
 def test_growth_options_are_checked_before_any_work(options, message):

@@ -332,9 +332,15 @@ def check_run(data: DataArguments, features: FeatureArguments, drafter: DrafterA
     if drafter.train_only == "selector" and not drafter.init:
         raise ValueError("--train-only selector needs --init PATH_OR_ID: the trained drafter whose selector is "
                          "trained (a fresh drafter's layers would stay random).")
-    if drafter.grow_layers is not None and (drafter.grow_layers < 1 or not drafter.init or lora.lora):
-        raise ValueError(f"--grow-layers {drafter.grow_layers}: needs N >= 1 and --init PATH_OR_ID (the trained "
-                         "drafter to grow), without --lora")
+    if drafter.grow_layers is not None:
+        if drafter.grow_layers < 1:
+            raise ValueError(f"--grow-layers must be >= 1 (new decoder layers), got {drafter.grow_layers}")
+        if not drafter.init:
+            raise ValueError("--grow-layers needs --init PATH_OR_ID: the trained drafter to grow (a fresh drafter "
+                             "takes its depth from --num-layers)")
+        if lora.lora:
+            raise ValueError("--grow-layers and --lora exclude each other: an adapter cannot add layers; grow the "
+                             "base drafter first, then train an adapter on the grown one")
     if drafter.train_only == "new-layers" and not drafter.grow_layers:
         raise ValueError("--train-only new-layers trains the layers --grow-layers N adds: name --grow-layers N")
     if drafter.train_only == "selector" and lora.lora:
