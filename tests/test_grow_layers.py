@@ -122,7 +122,8 @@ def test_grow_layers_through_the_command_line(tmp_path, monkeypatch):
     (["--grow-layers", "2"], "--grow-layers needs --init"),
     (["--grow-layers", "0", "--init", "d"], "--grow-layers must be >= 1"),
     (["--grow-layers", "1", "--init", "d", "--lora"], "--grow-layers and --lora exclude each other"),
-    (["--train-only", "new-layers", "--init", "d"], "name --grow-layers N"),
+    (["--train-only", "new-layers", "--init", "d"], "name --init PATH_OR_ID --grow-layers N"),
+    (["--grow-layers", "1", "--init", "d", "--train-only", "selector"], "new layers frozen at zero"),
 ])
 def test_growth_options_are_checked_before_any_work(options, message):
     from dflash2_hf.cli import build_parser
@@ -133,3 +134,23 @@ def test_growth_options_are_checked_before_any_work(options, message):
                                                                    *options]))
     with pytest.raises(ValueError, match=message):
         check_run(cfg.data, cfg.features, cfg.drafter, cfg.lora, cfg.training_args)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, "2", None, True])
+def test_grow_layers_refuses_anything_but_a_positive_integer(bad):
+    drafter = make_drafter(make_target("llama"), num_hidden_layers=2)
+    with pytest.raises(ValueError, match="integer >= 1"):
+        grow_layers(drafter, bad)
+    assert len(drafter.layers) == 2 and drafter.config.num_hidden_layers == 2  # untouched
+
+
+def test_a_resumed_growth_run_must_name_the_same_number_of_layers(tmp_path):
+    from dflash2_hf.training.build import check_grown_checkpoint
+
+    target = make_target("llama")
+    make_drafter(target, num_hidden_layers=2).save_pretrained(tmp_path / "base")
+    checkpoint = make_drafter(target, num_hidden_layers=2)
+    grow_layers(checkpoint, 2)
+    check_grown_checkpoint(checkpoint, str(tmp_path / "base"), 2)
+    with pytest.raises(ValueError, match="resume with --grow-layers 2"):
+        check_grown_checkpoint(checkpoint, str(tmp_path / "base"), 1)

@@ -163,8 +163,27 @@ def build_drafter(args, target, resume_from: str | None, lora: bool = False):
     elif getattr(args, "train_only", "all") == "new-layers":  # also on resume: the checkpoint holds the grown stack
         from .init import freeze_all_but, grown_layer_indices
 
+        if resume_from:
+            check_grown_checkpoint(drafter, args.init, args.grow_layers)
         freeze_all_but(drafter, grown_layer_indices(len(drafter.layers), args.grow_layers))
     return drafter.float().train()
+
+
+def check_grown_checkpoint(drafter, init: str, grow: int) -> None:
+    """A resumed ``--grow-layers N --train-only new-layers`` run: the checkpoint must hold the ``--init`` drafter's
+    layers + N (the new layers are found by position, so another N would train the wrong ones).
+
+    Raises:
+        ValueError: the layer counts disagree.
+    """
+    config = _local_drafter_config(init)
+    if config is None:  # a Hub id: nothing to compare against without a download
+        return
+    base = config.num_hidden_layers
+    if len(drafter.layers) != base + grow:
+        raise ValueError(f"--grow-layers {grow} on resume: the checkpoint has {len(drafter.layers)} layers, the --init "
+                         f"drafter {base}; resume with --grow-layers {len(drafter.layers) - base} (the N the run "
+                         "started with)")
 
 
 def apply_selector_options(drafter, rank: int | None, top_k: int | None) -> None:

@@ -342,7 +342,11 @@ def check_run(data: DataArguments, features: FeatureArguments, drafter: DrafterA
             raise ValueError("--grow-layers and --lora exclude each other: an adapter cannot add layers; grow the "
                              "base drafter first, then train an adapter on the grown one")
     if drafter.train_only == "new-layers" and not drafter.grow_layers:
-        raise ValueError("--train-only new-layers trains the layers --grow-layers N adds: name --grow-layers N")
+        raise ValueError("--train-only new-layers trains the layers --grow-layers N adds to an --init drafter: name "
+                         "--init PATH_OR_ID --grow-layers N")
+    if drafter.grow_layers and drafter.train_only == "selector":
+        raise ValueError("--grow-layers with --train-only selector would leave the new layers frozen at zero (a deeper, "
+                         "slower drafter that drafts the same): use --train-only new-layers or all")
     if drafter.train_only == "selector" and lora.lora:
         raise ValueError("--train-only selector and --lora exclude each other: the selector trains in full, "
                          "without an adapter; drop one of them.")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import math
+import numbers
 
 import torch
 from torch import nn
@@ -104,10 +105,10 @@ def grow_layers(drafter: nn.Module, grow: int) -> list[int]:
     config's ``num_hidden_layers`` (and ``layer_types``, if set) follow; layer indices are renumbered.
 
     Raises:
-        ValueError: ``grow`` < 1.
+        ValueError: ``grow`` not an integer >= 1.
     """
-    if grow < 1:
-        raise ValueError(f"--grow-layers must be >= 1, got {grow}")
+    if isinstance(grow, bool) or not isinstance(grow, numbers.Integral) or grow < 1:
+        raise ValueError(f"grow_layers: the number of new layers must be an integer >= 1, got {grow!r}")
     old = list(drafter.layers)
     new_indices = grown_layer_indices(len(old) + grow, grow)
     config = drafter.config
