@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Regenerate a code set with the target and train a drafter on it with ONLINE target features (no feature cache), on
-# one GPU, in about 8 minutes (or train on prepared folders, from a trained drafter, grown deeper: DATA, INIT, GROW); the trained drafter comes back in $OUT/drafter, with training_summary.json and
-# check.json (greedy output with the drafter identical to the target's plain greedy generate).
+# one GPU, in about 8 minutes (or train on prepared folders, from a trained drafter, grown deeper: DATA, INIT, GROW);
+# the trained drafter comes back in $OUT/drafter, with training_summary.json and check.json (greedy output with the drafter identical to the target's plain greedy generate).
 #
 #   bash scripts/gpu_train.sh                       # OUT=/tmp/gpu_train unless set
 #

@@ -118,6 +118,27 @@ def _good_records(n):
                   ("human", "Thanks, and times two?"), ("gpt", "Double.")) for i in range(n)]
 
 
+def regenerated_tiny_chat(tmp_path, monkeypatch) -> str:
+    """A tiny chat target folder (returned) whose regeneration of 4 ShareGPT-style conversations (8 new tokens per
+    turn) is in ``tmp_path / "regen"``; the package cache goes to ``tmp_path / "cache"``."""
+    from dflash2_hf.cli import main
+
+    monkeypatch.setenv("DFLASH2_CACHE", str(tmp_path / "cache"))
+    t = tiny_chat_target_folder(tmp_path / "target")
+    src = str(_write_array(tmp_path / "sg.json", _good_records(4)))
+    assert main(["prepare-data", "--target", t, "--source", src, "--output-dir", str(tmp_path / "regen"), "--stop", "4",
+                 "--max-new-tokens", "8", "--no-progress"]) == 0
+    return t
+
+
+def assert_greedy_lossless(target, drafter) -> None:
+    """10 greedy tokens after a chat "hello" prompt: identical with and without ``drafter``."""
+    ids = _tiny_tokenizer().apply_chat_template([{"role": "user", "content": "hello"}], add_generation_prompt=True,
+                                                return_tensors="pt", return_dict=True)["input_ids"]
+    assert torch.equal(target.generate(ids, max_new_tokens=10, do_sample=False),
+                       target.generate(ids, assistant_model=drafter, max_new_tokens=10, do_sample=False))
+
+
 # ------------------------------------------------------------------------------------------------ sharegpt reader
 
 

@@ -186,13 +186,9 @@ def test_cli_trains_with_distillation_and_refuses_a_weight_without_logits(tmp_pa
     import json
 
     from dflash2_hf.cli import main
-    from test_data import _good_records, _write_array, tiny_chat_target_folder
+    from test_data import regenerated_tiny_chat
 
-    monkeypatch.setenv("DFLASH2_CACHE", str(tmp_path / "cache"))
-    t = tiny_chat_target_folder(tmp_path / "target")
-    src = str(_write_array(tmp_path / "sg.json", _good_records(4)))
-    assert main(["prepare-data", "--target", t, "--source", src, "--output-dir", str(tmp_path / "regen"), "--stop", "4",
-                 "--max-new-tokens", "8", "--no-progress"]) == 0
+    t = regenerated_tiny_chat(tmp_path, monkeypatch)
     common = ["train", "--target", t, "--data", str(tmp_path / "regen"), "--num-layers", "1", "--block-size", "4",
               "--target-layer-ids", "0,1", "--num-blocks", "4", "--max-steps", "2", "--save-steps", "100",
               "--logging-steps", "1", "--disable-tqdm", "true"]

@@ -85,13 +85,9 @@ def test_grow_layers_through_the_command_line(tmp_path, monkeypatch):
     from transformers import AutoModelForCausalLM
 
     from dflash2_hf.cli import main
-    from test_data import _good_records, _tiny_tokenizer, _write_array, tiny_chat_target_folder
+    from test_data import assert_greedy_lossless, regenerated_tiny_chat
 
-    monkeypatch.setenv("DFLASH2_CACHE", str(tmp_path / "cache"))
-    t = tiny_chat_target_folder(tmp_path / "target")
-    src = str(_write_array(tmp_path / "sg.json", _good_records(4)))
-    assert main(["prepare-data", "--target", t, "--source", src, "--output-dir", str(tmp_path / "regen"), "--stop", "4",
-                 "--max-new-tokens", "8", "--no-progress"]) == 0
+    t = regenerated_tiny_chat(tmp_path, monkeypatch)
     target = AutoModelForCausalLM.from_pretrained(t).eval()
     torch.manual_seed(0)
     base = DFlash2DraftModel.from_target(target, num_hidden_layers=2, block_size=4, selector_rank=4)
@@ -112,10 +108,7 @@ def test_grow_layers_through_the_command_line(tmp_path, monkeypatch):
         assert torch.equal(after[new_name], value), name
     assert after["layers.1.mlp.down_proj.weight"].abs().sum() > 0  # trained away from its zero start
     assert not torch.equal(after["candidate_selector.successor_codebook"], before["candidate_selector.successor_codebook"])
-    ids = _tiny_tokenizer().apply_chat_template([{"role": "user", "content": "hello"}], add_generation_prompt=True,
-                                                return_tensors="pt", return_dict=True)["input_ids"]
-    assert torch.equal(target.generate(ids, max_new_tokens=10, do_sample=False),
-                       target.generate(ids, assistant_model=grown, max_new_tokens=10, do_sample=False))
+    assert_greedy_lossless(target, grown)
 
 
 @pytest.mark.parametrize("options, message", [

@@ -113,13 +113,9 @@ def test_cli_trains_online_without_a_cache_and_decodes_losslessly(tmp_path, monk
     from transformers import AutoModelForCausalLM
 
     from dflash2_hf.cli import main
-    from test_data import _good_records, _tiny_tokenizer, _write_array, tiny_chat_target_folder
+    from test_data import assert_greedy_lossless, regenerated_tiny_chat
 
-    monkeypatch.setenv("DFLASH2_CACHE", str(tmp_path / "cache"))
-    t = tiny_chat_target_folder(tmp_path / "target")
-    src = str(_write_array(tmp_path / "sg.json", _good_records(4)))
-    assert main(["prepare-data", "--target", t, "--source", src, "--output-dir", str(tmp_path / "regen"), "--stop", "4",
-                 "--max-new-tokens", "8", "--no-progress"]) == 0
+    t = regenerated_tiny_chat(tmp_path, monkeypatch)
     out = tmp_path / "run"
     assert main(["train", "--target", t, "--data", str(tmp_path / "regen"), "--features", "online", "--num-layers", "1",
                  "--block-size", "4", "--num-blocks", "4", "--max-steps", "3", "--save-steps", "2",
@@ -130,10 +126,7 @@ def test_cli_trains_online_without_a_cache_and_decodes_losslessly(tmp_path, monk
     assert summary["global_step"] == 3 and (out / "checkpoint-2").is_dir()
     drafter = DFlash2DraftModel.from_pretrained(out)
     target = AutoModelForCausalLM.from_pretrained(t).eval()
-    ids = _tiny_tokenizer().apply_chat_template([{"role": "user", "content": "hello"}], add_generation_prompt=True,
-                                                return_tensors="pt", return_dict=True)["input_ids"]
-    assert torch.equal(target.generate(ids, max_new_tokens=10, do_sample=False),
-                       target.generate(ids, assistant_model=drafter, max_new_tokens=10, do_sample=False))
+    assert_greedy_lossless(target, drafter)
     # resume: continues after the last checkpoint of the same run (the Trainer also saves at the last step)
     assert main(["train", "--target", t, "--data", str(tmp_path / "regen"), "--features", "online", "--num-layers", "1",
                  "--block-size", "4", "--num-blocks", "4", "--max-steps", "4", "--output-dir", str(out),
@@ -156,13 +149,9 @@ def test_train_only_selector_changes_the_selector_and_nothing_else(tmp_path, mon
     from transformers import AutoModelForCausalLM
 
     from dflash2_hf.cli import main
-    from test_data import _good_records, _tiny_tokenizer, _write_array, tiny_chat_target_folder
+    from test_data import assert_greedy_lossless, regenerated_tiny_chat
 
-    monkeypatch.setenv("DFLASH2_CACHE", str(tmp_path / "cache"))
-    t = tiny_chat_target_folder(tmp_path / "target")
-    src = str(_write_array(tmp_path / "sg.json", _good_records(4)))
-    assert main(["prepare-data", "--target", t, "--source", src, "--output-dir", str(tmp_path / "regen"), "--stop", "4",
-                 "--max-new-tokens", "8", "--no-progress"]) == 0
+    t = regenerated_tiny_chat(tmp_path, monkeypatch)
     target = AutoModelForCausalLM.from_pretrained(t).eval()
     torch.manual_seed(0)
     base = DFlash2DraftModel.from_target(target, num_hidden_layers=1, block_size=4, selector_rank=4)
@@ -187,10 +176,7 @@ def test_train_only_selector_changes_the_selector_and_nothing_else(tmp_path, mon
         assert codebook.abs().sum() > 0  # trained away from its zero start
     drafter = DFlash2DraftModel.from_pretrained(tmp_path / "wider")
     assert drafter.config.selector_rank == 6 and drafter.config.selector_top_k == target.config.vocab_size
-    ids = _tiny_tokenizer().apply_chat_template([{"role": "user", "content": "hello"}], add_generation_prompt=True,
-                                                return_tensors="pt", return_dict=True)["input_ids"]
-    assert torch.equal(target.generate(ids, max_new_tokens=10, do_sample=False),
-                       target.generate(ids, assistant_model=drafter, max_new_tokens=10, do_sample=False))
+    assert_greedy_lossless(target, drafter)
 
 
 @pytest.mark.parametrize("options, message", [

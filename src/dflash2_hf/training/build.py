@@ -158,9 +158,10 @@ def build_drafter(args, target, resume_from: str | None, lora: bool = False):
             with torch.no_grad():
                 drafter.norm.weight.fill_(args.init_norm)
     drafter.check_target(target)
-    if getattr(args, "train_only", "all") == "selector":
+    train_only = getattr(args, "train_only", "all")
+    if train_only == "selector":
         freeze_all_but_selector(drafter)
-    elif getattr(args, "train_only", "all") == "new-layers":  # also on resume: the checkpoint holds the grown stack
+    elif train_only == "new-layers":  # also on resume: the checkpoint holds the grown stack
         from .init import freeze_all_but, grown_layer_indices
 
         if resume_from:
@@ -227,8 +228,9 @@ def freeze_all_but_selector(drafter) -> None:
     if drafter.candidate_selector is None:
         raise ValueError("--train-only selector: this drafter has no candidate selector; add a new one with "
                          "--selector-rank R (e.g. 72)")
-    drafter.requires_grad_(False)
-    drafter.candidate_selector.requires_grad_(True)
+    from .init import freeze_all_but
+
+    freeze_all_but(drafter, [])
     n = sum(p.numel() for p in drafter.candidate_selector.parameters())
     logger.info("--train-only selector: training the candidate selector's %.2fM parameters, the rest of the "
                 "drafter frozen", n / 1e6)

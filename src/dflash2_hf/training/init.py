@@ -110,30 +110,28 @@ def grow_layers(drafter: nn.Module, grow: int) -> list[int]:
     if isinstance(grow, bool) or not isinstance(grow, numbers.Integral) or grow < 1:
         raise ValueError(f"grow_layers: the number of new layers must be an integer >= 1, got {grow!r}")
     old = list(drafter.layers)
-    new_indices = grown_layer_indices(len(old) + grow, grow)
+    new_indices = set(grown_layer_indices(len(old) + grow, grow))
     config = drafter.config
-    old_types = list(config.layer_types) if config.layer_types else None
-    stack, types, source = [], [], iter(range(len(old)))
-    for index in range(len(old) + grow):
-        if index in new_indices:
-            layer = copy.deepcopy(stack[-1])
-            layer.self_attn.o_proj.weight.zero_()
-            layer.mlp.down_proj.weight.zero_()
-            for module in (layer.self_attn.o_proj, layer.mlp.down_proj):
-                if module.bias is not None:
-                    module.bias.zero_()
-        else:
-            i = next(source)
-            layer = old[i]
-        types.append(old_types[i] if old_types else None)
-        layer.self_attn.layer_idx = index
+    stack, types = [], []
+    for layer, kind in zip(old, config.layer_types or [None] * len(old)):
         stack.append(layer)
+        types.append(kind)
+        while len(stack) in new_indices:  # the next index is a new layer: a copy of this one, silenced
+            copy_ = copy.deepcopy(stack[-1])
+            for projection in (copy_.self_attn.o_proj, copy_.mlp.down_proj):
+                projection.weight.zero_()
+                if projection.bias is not None:
+                    projection.bias.zero_()
+            stack.append(copy_)
+            types.append(kind)
+    for index, layer in enumerate(stack):
+        layer.self_attn.layer_idx = index
     drafter.layers = nn.ModuleList(stack)
     config.num_hidden_layers = len(stack)
-    if old_types:
+    if config.layer_types:
         config.layer_types = types
     drafter.layer_rules = layer_attention(config)
-    return new_indices
+    return sorted(new_indices)
 
 
 def freeze_all_but(drafter: nn.Module, layer_indices: list[int]) -> None:
